@@ -1,0 +1,44 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install into it.
+# torch is installed first at exactly 2.13.0 (the CPU wheel on the machine) so pip never
+# resolves a fresh torch with GBs of CUDA packages.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_SPEC := torch==2.13.0
+# Debian packages that the tests start for real: etcd, Prometheus, and ip for network namespaces.
+DEB_PKGS := etcd-server prometheus iproute2
+
+.PHONY: demo test install debs bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(VPY) setup.py
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+	$(VPY) -m pip install -q $(TORCH_SPEC) numpy
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+debs:
+	@missing=""; \
+	for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+demo: install
+	$(VPY) examples/demo.py
+
+test: install debs
+	$(VPY) -m pytest -q tests
+
+bench: install
+	$(VPY) -m bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,146 @@
+"""The one key-value interface every elastictk layer talks to.
+
+Rendezvous, failure propagation, the restart budget and the timers all need the same few
+primitives: a value that appears (``get`` waits for it), an atomic counter (``add``), a
+compare-and-set, and blocking waits with deadlines. Keeping them behind one ABC lets a job move
+between a single-host file store, torch's c10d ``TCPStore`` and a replicated etcd cluster
+without the layers above noticing.
+
+Values are bytes; counters are stored as ASCII decimal, the way torch's stores keep them, so a
+counter written by ``add`` reads back as ``b"3"`` from every backend.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Iterable, Sequence
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the store and the key."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A blocking call ran past its timeout."""
+
+
+class StoreUnreachable(StoreError, ConnectionError):
+    """The store's endpoint cannot be reached (refused, no route, no answer in time)."""
+
+
+class StoreClosed(StoreError):
+    """The store was closed by its owner and can no longer be used."""
+
+
+class Deadline:
+    """A monotonic deadline, so waits survive wall-clock jumps on any host."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + max(0.0, timeout)
+
+    def remaining(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+
+class Store(ABC):
+    """A key-value store with atomic counters, compare-and-set and blocking waits.
+
+    Every blocking call takes ``timeout`` in seconds; ``None`` means the store's
+    ``default_timeout``. No call blocks past its timeout.
+
+    A store object is not meant to be shared by threads that block: a thread that waits
+    (a watcher, a heartbeat) takes its own connection with :meth:`clone`.
+    """
+
+    default_timeout: float = DEFAULT_TIMEOUT
+
+    # -- the primitives each backend provides ---------------------------------------------
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``, replacing what was there."""
+
+    @abstractmethod
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or ``None`` when it is absent. Never waits."""
+
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (absent counts as 0); the new value."""
+
+    @abstractmethod
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
+        """Atomically set ``key`` to ``desired`` if it currently holds ``expected``.
+
+        ``expected=None`` (or ``b""``) matches an absent key (and, as in torch's stores, an
+        empty value). Returns the value the key holds after the call: ``desired`` when the
+        swap happened (or the key already held ``desired``), else the current value, or
+        ``None`` when the key is absent.
+        """
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it existed."""
+
+    @abstractmethod
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        """Block until every key in ``keys`` exists; :class:`StoreTimeout` past ``timeout``."""
+
+    @abstractmethod
+    def keys(self, prefix: str = "") -> list[str]:
+        """All keys that start with ``prefix``, in no particular order."""
+
+    @abstractmethod
+    def clone(self) -> "Store":
+        """A new, independent connection to the same store, for another thread."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections (and stop a server this object owns). Idempotent."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where this store lives, for error messages: ``tcp://host:port``, ``file:///dir``."""
+
+    # -- conveniences built on the primitives ----------------------------------------------
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting until it exists; :class:`StoreTimeout` past ``timeout``."""
+        t = self._timeout(timeout)
+        deadline = Deadline(t)
+        while True:
+            value = self.try_get(key)
+            if value is not None:
+                return value
+            try:
+                self.wait([key], deadline.remaining())
+            except StoreTimeout:
+                raise self._timeout_error([key], t) from None
+
+    def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
+        """``try_get`` for many keys; backends with a batched call override it."""
+        return [self.try_get(k) for k in keys]
+
+    def num_keys(self) -> int:
+        return len(self.keys(""))
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.default_timeout if timeout is None else timeout
+
+    def _timeout_error(self, keys: Sequence[str], timeout: float) -> StoreTimeout:
+        shown = ", ".join(repr(k) for k in list(keys)[:5]) + (" ..." if len(keys) > 5 else "")
+        return StoreTimeout(
+            f"timed out after {timeout:g}s waiting for key(s) {shown} in {self.describe()}; "
+            "check that every participant uses the same store and job id, or raise the timeout"
+        )
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,199 @@
+"""torch's c10d ``TCPStore`` (libuv server) behind elastictk's :class:`Store` interface.
+
+The server lives inside whichever process constructs it with ``is_server=True`` (in a job,
+usually the agent of node 0): fast, but a single point of failure. The etcd backend is the
+choice for jobs that must survive the loss of that host.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from .base import (
+    DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout, StoreUnreachable,
+)
+from .endpoint import Endpoint, parse_endpoint, probe
+
+# c10d logs every client timeout at warning level from C++; elastictk reports them itself.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import torch.distributed as dist  # noqa: E402  (after the log level is set)
+
+# A value no one stores: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key in one atomic round
+# trip without creating it (c10d returns ``expected`` for an absent key and never writes it).
+_ABSENT = b"\x00elastictk-absent\x00" + os.urandom(16)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class TCPStore(Store):
+    """A client of (or the server plus a client of) a c10d TCPStore.
+
+    ``TCPStore.serve(host, port)`` starts a server in this process; port 0 picks a free port,
+    reported by :attr:`port`. ``TCPStore.connect("host:port")`` joins an existing one, failing
+    within ``timeout`` with one line naming the endpoint when nothing answers there.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        is_server: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        _raw: "dist.TCPStore | None" = None,
+    ) -> None:
+        self.default_timeout = timeout
+        self.is_server = is_server
+        self.host = host
+        if _raw is not None:
+            self._raw: dist.TCPStore | None = _raw
+        elif is_server:
+            try:
+                self._raw = dist.TCPStore(
+                    host, port, is_master=True, wait_for_workers=False,
+                    timeout=_td(timeout), use_libuv=True,
+                )
+            except (RuntimeError, OSError) as e:
+                raise StoreUnreachable(
+                    f"cannot start a TCPStore server on {Endpoint(host, port)}: {_first_line(e)}; "
+                    "pick another port or use port 0 for a free one"
+                ) from None
+        else:
+            deadline = Deadline(timeout)
+            endpoint = Endpoint(host, port)
+            reason = probe(endpoint, timeout)
+            if reason is not None:
+                raise StoreUnreachable(
+                    f"cannot reach the TCPStore at {endpoint}: {reason}; check --rdzv-endpoint "
+                    "and that the node hosting the store is up"
+                )
+            try:
+                self._raw = dist.TCPStore(
+                    host, port, is_master=False, timeout=_td(deadline.remaining() or 0.001),
+                    use_libuv=True,
+                )
+            except (RuntimeError, OSError) as e:
+                raise StoreUnreachable(
+                    f"cannot connect to the TCPStore at {endpoint}: {_first_line(e)}"
+                ) from None
+        self.port = int(self._raw.port)
+
+    @classmethod
+    def serve(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT) -> "TCPStore":
+        return cls(host, port, is_server=True, timeout=timeout)
+
+    @classmethod
+    def connect(cls, endpoint: str | Endpoint, timeout: float = DEFAULT_TIMEOUT) -> "TCPStore":
+        ep = endpoint if isinstance(endpoint, Endpoint) else parse_endpoint(endpoint)
+        return cls(ep.host, ep.port, timeout=timeout)
+
+    @property
+    def raw(self) -> "dist.TCPStore":
+        """The torch store itself, e.g. to hand to ``init_process_group(store=...)``."""
+        if self._raw is None:
+            raise StoreClosed(f"{self.describe()} is closed")
+        return self._raw
+
+    @contextmanager
+    def _op(self, what: str, keys: Sequence[str] = ()) -> Iterator["dist.TCPStore"]:
+        raw = self.raw
+        try:
+            yield raw
+        except dist.DistNetworkError as e:
+            raise StoreUnreachable(
+                f"lost the TCPStore at {self.describe()} during {what}: {_first_line(e)}; "
+                "the process hosting it may have died (the etcd backend survives that)"
+            ) from None
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower():
+                raise self._timeout_error(keys, self.default_timeout) from None
+            raise StoreError(f"{what} on {self.describe()} failed: {_first_line(e)}") from None
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._op("set", [key]) as s:
+            s.set(key, value)
+
+    def try_get(self, key: str) -> bytes | None:
+        with self._op("get", [key]) as s:
+            value = s.compare_set(key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT else bytes(value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        t = self._timeout(timeout)
+        deadline = Deadline(t)
+        while True:
+            value = self.try_get(key)
+            if value is not None:
+                return value
+            try:
+                self.wait([key], deadline.remaining())
+            except StoreTimeout:
+                raise self._timeout_error([key], t) from None
+            if deadline.expired():  # the key appeared and vanished again at the last moment
+                raise self._timeout_error([key], t)
+
+    def multi_get(self, keys: list[str] | tuple[str, ...]) -> list[bytes | None]:  # type: ignore[override]
+        return [self.try_get(k) for k in keys]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._op("add", [key]) as s:
+            return int(s.add(key, amount))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
+        exp = expected or b""
+        with self._op("compare_set", [key]) as s:
+            value = bytes(s.compare_set(key, exp, desired))
+        if exp and value == exp and exp != desired:
+            return None  # c10d echoes ``expected`` back for an absent key
+        return value
+
+    def delete(self, key: str) -> bool:
+        with self._op("delete", [key]) as s:
+            return bool(s.delete_key(key))
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        t = self._timeout(timeout)
+        if not keys:
+            return
+        raw = self.raw
+        start = time.monotonic()
+        try:
+            raw.wait(list(keys), _td(t))
+        except dist.DistNetworkError as e:
+            raise StoreUnreachable(
+                f"lost the TCPStore at {self.describe()} while waiting: {_first_line(e)}"
+            ) from None
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower() or time.monotonic() - start >= t:
+                raise self._timeout_error(keys, t) from None
+            raise StoreError(f"wait on {self.describe()} failed: {_first_line(e)}") from None
+
+    def keys(self, prefix: str = "") -> list[str]:
+        with self._op("list_keys") as s:
+            return [k for k in s.list_keys() if k.startswith(prefix)]
+
+    def num_keys(self) -> int:
+        with self._op("num_keys") as s:
+            return int(s.num_keys())
+
+    def clone(self) -> "TCPStore":
+        with self._op("clone") as s:
+            raw = s.clone()
+        return TCPStore(self.host, self.port, timeout=self.default_timeout, _raw=raw)
+
+    def close(self) -> None:
+        self._raw = None
+
+    def describe(self) -> str:
+        return f"tcp://{Endpoint(self.host, getattr(self, 'port', 0))}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

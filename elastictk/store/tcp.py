@@ -10,7 +10,7 @@ import datetime
 import os
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .base import (
     DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout, StoreUnreachable,
@@ -138,7 +138,17 @@ class TCPStore(Store):
             if deadline.expired():  # the key appeared and vanished again at the last moment
                 raise self._timeout_error([key], t)
 
-    def multi_get(self, keys: list[str] | tuple[str, ...]) -> list[bytes | None]:  # type: ignore[override]
+    def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
+        """Two round trips when every key exists (the common case: slots, heartbeats)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        with self._op("multi_get", keys) as s:
+            if s.check(keys):
+                try:
+                    return [bytes(v) for v in s.multi_get(keys)]
+                except dist.DistStoreError:
+                    pass  # a key vanished between the two calls: read them one by one
         return [self.try_get(k) for k in keys]
 
     def add(self, key: str, amount: int) -> int:

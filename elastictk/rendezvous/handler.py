@@ -1,0 +1,245 @@
+"""The rendezvous handler an agent calls to join a job: ``next_round()`` and friends.
+
+Joining costs each node a handful of round trips (one counter bump, one slot write, then a
+blocking wait on the round's result key). One node, the earliest live arrival, closes the round
+with a single compare-and-set; if it dies, the next earliest takes over. The decisions
+themselves live in :mod:`elastictk.rendezvous.decide`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..store import PrefixStore, Store, StoreTimeout
+from .config import RendezvousConfig
+from .decide import Arrival, Close, Fail, RoundView, Wait, decide, round_to_join
+from .errors import RendezvousClosed, RendezvousTimeout
+from .liveness import Heartbeat, LivenessTracker, read_counters
+from .records import (
+    Member,
+    NodeRecord,
+    RoundResult,
+    decode_node,
+    decode_note,
+    decode_result,
+    encode_note,
+    round_key,
+    slot_key,
+)
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """This node's place in a closed round."""
+
+    round: int
+    rank: int
+    world_size: int
+    members: tuple[Member, ...]
+    store_prefix: str
+    store: Store = field(repr=False, compare=False)
+
+    @property
+    def peers(self) -> tuple[Member, ...]:
+        return self.members
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class RendezvousHandler:
+    """Joins membership rounds of one job over any :class:`Store`.
+
+    ``store`` is the job's store (shared by every node); the handler keeps its keys under
+    ``rdzv/<job_id>/``. ``meta`` (JSON-able) travels to every peer with this node's record:
+    its address, how many workers it runs, anything the agent needs from its peers.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        config: RendezvousConfig,
+        node_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.node_id = node_id or default_node_id()
+        self.meta = dict(meta or {})
+        self.prefix = f"rdzv/{config.job_id}"
+        self.store = PrefixStore(self.prefix, store)
+        self._clock = clock
+        self._heartbeat: Heartbeat | None = None
+        self.tracker = LivenessTracker(config.heartbeat_timeout)
+        self.current: RoundInfo | None = None
+
+    # -- joining ----------------------------------------------------------------------------
+    def next_round(self) -> RoundInfo:
+        """Join the next round and block until it closes; this node's rank and the membership.
+
+        Raises :class:`RendezvousClosed` when the job has finished, :class:`RendezvousTimeout`
+        when too few nodes came within the join timeout.
+        """
+        cfg = self.config
+        deadline = self._clock() + cfg.join_timeout
+        if self._heartbeat is None:
+            self._heartbeat = Heartbeat(self.store, self.node_id, cfg.heartbeat_interval)
+        floor = 1
+        while True:
+            self._raise_if_shut_down()
+            if self._clock() >= deadline:
+                raise RendezvousTimeout(
+                    f"node {self.node_id} found no round of job {cfg.job_id!r} with room for it "
+                    f"within the join timeout of {cfg.join_timeout:g}s (all closed at --nnodes MAX?)"
+                )
+            n = self._open_round(floor)
+            seq = self.store.add(round_key(n, "arrivals"), 1)
+            self.store.set(slot_key(n, seq), NodeRecord(self.node_id, self.meta).to_json())
+            result = self._await(n, seq, deadline)
+            if result.shutdown is not None:
+                raise RendezvousClosed(f"job {cfg.job_id!r} has finished ({result.shutdown}); nothing to join")
+            rank = result.rank_of(self.node_id)
+            if rank is not None:
+                self.current = RoundInfo(
+                    n, rank, len(result.members), result.members,
+                    f"{self.prefix}/{round_key(n, 'job')}",
+                    PrefixStore(round_key(n, "job"), self.store),
+                )
+                return self.current
+            # The round closed without us (we came after the closer counted, or past max):
+            # we are now waiting for the next round, which num_nodes_waiting() reports.
+            floor = n + 1
+
+    def _open_round(self, floor: int) -> int:
+        """The round to join; never below ``floor`` (a round that already closed without us)."""
+        latest = self.store.add("latest", 0)  # also creates the counter, so the CAS below can match
+        closed = latest > 0 and self.store.try_get(round_key(latest, "result")) is not None
+        n = max(round_to_join(latest, closed), floor)
+        if n > latest:
+            self.store.compare_set("latest", str(latest).encode(), str(n).encode())
+        return n
+
+    def _await(self, n: int, seq: int, deadline: float) -> RoundResult:
+        """Wait for round ``n``'s result; close it ourselves when we are the closer."""
+        cfg = self.config
+        result_key = round_key(n, "result")
+        previous = self._read_result(n - 1) if n > 1 else None
+        records: dict[int, Arrival] = {}
+        opened_at, min_reached_at = self._clock(), None
+        while True:
+            raw = self.store.try_get(result_key)
+            if raw is not None:
+                return decode_result(self.prefix + "/" + result_key, raw)
+            now = self._clock()
+            if self._closer_alive_before(n, seq, records, now):
+                if now >= deadline:
+                    raise RendezvousTimeout(
+                        f"round {n} of job {cfg.job_id!r} did not form within the join timeout of "
+                        f"{cfg.join_timeout:g}s; start more nodes or lower --nnodes MIN"
+                    )
+                self._wait_for([result_key], min(cfg.heartbeat_interval, deadline - now))
+                continue
+            # We close this round.
+            arrivals = self._read_arrivals(n, records, upto=None)
+            watch = [a.node_id for a in arrivals]
+            if previous is not None:
+                watch += [m.node_id for m in previous.members]
+            dead = self._dead(sorted(set(watch) - {self.node_id}), now)
+            view = RoundView(n, tuple(arrivals), previous, dead, now, opened_at, min_reached_at)
+            decision = decide(view, cfg)
+            if isinstance(decision, Close):
+                won = self.store.compare_set(result_key, None, RoundResult(n, decision.members).to_json())
+                return decode_result(self.prefix + "/" + result_key, won or b"")
+            if isinstance(decision, Fail):
+                raise RendezvousTimeout(decision.reason)
+            assert isinstance(decision, Wait)
+            min_reached_at = decision.min_reached_at
+            until = min(decision.until, now + cfg.heartbeat_interval)
+            self._wait_for([slot_key(n, decision.wake_seq)], until - now, also=result_key)
+
+    def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival], now: float) -> bool:
+        """Whether an earlier arrival than us is alive to close the round (we check only the
+        earliest live one, so a waiting node costs the store O(1) reads per heartbeat)."""
+        lost = self._lost()
+        for a in self._read_arrivals(n, cache, upto=seq):
+            if a.node_id == self.node_id:
+                return False
+            if not self._dead([a.node_id], now, lost):
+                return True
+        return False
+
+    def _read_arrivals(self, n: int, cache: dict[int, Arrival], upto: int | None) -> list[Arrival]:
+        """Slots 1..count (or 1..upto); records never change, so each is read once."""
+        count = self.store.add(round_key(n, "arrivals"), 0) if upto is None else upto
+        missing = [s for s in range(1, count + 1) if s not in cache]
+        if missing:
+            for s, raw in zip(missing, self.store.multi_get([slot_key(n, s) for s in missing])):
+                if raw is not None:
+                    rec = decode_node(f"{self.prefix}/{slot_key(n, s)}", raw)
+                    cache[s] = Arrival(s, rec.node_id, rec.meta)
+        return [cache[s] for s in sorted(cache) if upto is None or s <= upto]
+
+    def _lost(self) -> set[str]:
+        return {k[len("lost/"):] for k in self.store.keys("lost/")}
+
+    def _dead(self, node_ids: list[str], now: float, lost: set[str] | None = None) -> frozenset[str]:
+        if not node_ids:
+            return frozenset()
+        for node_id, value in read_counters(self.store, node_ids).items():
+            self.tracker.observe(node_id, value, now)
+        lost = self._lost() if lost is None else lost
+        return frozenset(n for n in node_ids if n in lost or self.tracker.is_dead(n, now))
+
+    def _wait_for(self, keys: list[str], timeout: float, also: str | None = None) -> None:
+        """Block until ``keys`` exist or ``timeout``; ``also`` is checked first (one more key
+        that ends the wait, e.g. the round's result, which the store cannot wait on with "any")."""
+        if also is not None and self.store.try_get(also) is not None:
+            return
+        try:
+            self.store.wait(keys, max(timeout, 0.001))
+        except StoreTimeout:
+            pass
+
+    def _read_result(self, n: int) -> RoundResult | None:
+        raw = self.store.try_get(round_key(n, "result"))
+        return None if raw is None else decode_result(f"{self.prefix}/{round_key(n, 'result')}", raw)
+
+    def _raise_if_shut_down(self) -> None:
+        raw = self.store.try_get("shutdown")
+        if raw is not None:
+            reason = decode_note(f"{self.prefix}/shutdown", raw).get("reason", "finished")
+            raise RendezvousClosed(f"job {self.config.job_id!r} has finished ({reason}); nothing to join")
+
+    # -- while running ----------------------------------------------------------------------
+    def num_nodes_waiting(self) -> int:
+        """Nodes that have arrived for the round after ours: a reason to re-rendezvous."""
+        n = self.current.round if self.current else self.store.add("latest", 0)
+        return self.store.add(round_key(n + 1, "arrivals"), 0)
+
+    def mark_lost(self, node_id: str, reason: str) -> None:
+        """Publish that ``node_id`` is gone, so the next round's closer need not wait for it."""
+        self.store.compare_set(f"lost/{node_id}", None, encode_note(by=self.node_id, reason=reason))
+
+    def shutdown(self, reason: str = "finished") -> None:
+        """Close the job: every node waiting now or arriving later gets :class:`RendezvousClosed`."""
+        self.store.compare_set("shutdown", None, encode_note(reason=reason, by=self.node_id))
+        latest = self.store.add("latest", 0)
+        for n in (latest, latest + 1):
+            if n > 0:
+                self.store.compare_set(round_key(n, "result"), None, RoundResult(n, shutdown=reason).to_json())
+
+    def close(self, leaving: bool = True) -> None:
+        """Stop heartbeating; ``leaving`` tells peers at once instead of after the timeout."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop(leaving=leaving)
+            self._heartbeat = None
+
+    @property
+    def heartbeat_error(self) -> str | None:
+        hb = self._heartbeat
+        return None if hb is None or hb.last_error is None else str(hb.last_error)

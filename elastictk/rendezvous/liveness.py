@@ -1,0 +1,103 @@
+"""Heartbeats: a counter each node bumps, and observers that judge by their own clock.
+
+Nodes never compare timestamps: a node is lost when its counter has not moved for
+``timeout`` seconds of the *observer's* monotonic time. A host whose wall clock is 30 s off is
+therefore judged like any other, and a clock jump cannot kill a healthy node.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..store import Store, StoreError
+from .records import hb_key
+
+LEFT = -1  # the counter value a node sets when it leaves on purpose
+
+
+@dataclass
+class _Seen:
+    value: int | None
+    changed_at: float
+
+
+class LivenessTracker:
+    """Pure bookkeeping of heartbeat observations (time is passed in)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._seen: dict[str, _Seen] = {}
+
+    def observe(self, node_id: str, value: int | None, now: float) -> None:
+        """Record one reading of a node's counter (``None``: the key is absent)."""
+        seen = self._seen.get(node_id)
+        if seen is None:
+            self._seen[node_id] = _Seen(value, now)
+        elif seen.value != value:
+            seen.value, seen.changed_at = value, now
+
+    def is_dead(self, node_id: str, now: float) -> bool:
+        seen = self._seen.get(node_id)
+        if seen is None:
+            return False
+        if seen.value == LEFT:
+            return True
+        return now - seen.changed_at >= self.timeout
+
+    def silent_for(self, node_id: str, now: float) -> float:
+        seen = self._seen.get(node_id)
+        return 0.0 if seen is None else now - seen.changed_at
+
+    def forget(self, node_id: str) -> None:
+        self._seen.pop(node_id, None)
+
+
+def read_counters(store: Store, node_ids: list[str]) -> dict[str, int | None]:
+    """Heartbeat counters of ``node_ids`` in one batched read where the store allows."""
+    values = store.multi_get([hb_key(n) for n in node_ids])
+    out: dict[str, int | None] = {}
+    for node_id, raw in zip(node_ids, values):
+        try:
+            out[node_id] = None if raw is None else int(raw)
+        except ValueError:
+            out[node_id] = None
+    return out
+
+
+class Heartbeat:
+    """A daemon thread that bumps this node's counter every ``interval`` seconds.
+
+    It has its own store connection (a blocking call on the shared one would stall it) and
+    remembers the last store error, so the agent can tell "the store is gone" from "a peer is".
+    """
+
+    def __init__(self, store: Store, node_id: str, interval: float) -> None:
+        self._store = store.clone()
+        self._key = hb_key(node_id)
+        self._interval = interval
+        self._stop = threading.Event()
+        self.last_error: StoreError | None = None
+        self._store.add(self._key, 1)  # the first beat is synchronous: the key exists on return
+        self._thread = threading.Thread(target=self._run, name=f"elastictk-heartbeat-{node_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._store.add(self._key, 1)
+                self.last_error = None
+            except StoreError as e:
+                self.last_error = e
+
+    def stop(self, leaving: bool = False) -> None:
+        """Stop beating; ``leaving`` marks the node as gone at once instead of after a timeout."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=self._interval + 5)
+        if leaving:
+            try:
+                self._store.set(self._key, str(LEFT).encode())
+            except StoreError:
+                pass
+        self._store.close()

@@ -1,0 +1,83 @@
+"""A membership-changed signal for a running round: a node waits to join, or a peer is lost.
+
+Each node blocks on the next round's arrival counter (the store wakes it the moment anyone
+arrives) and watches the heartbeats of its two ring successors only, so a K-node job costs the
+store O(K) heartbeat reads per interval in total, not O(K^2). Two adjacent nodes dying together
+are still caught: the next round's closer checks every previous member.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..store import StoreError, StoreTimeout
+from .liveness import LivenessTracker, read_counters
+from .records import encode_note, round_key
+
+if TYPE_CHECKING:
+    from .handler import RendezvousHandler, RoundInfo
+
+
+class MembershipWatch:
+    """Sets :attr:`changed` (a ``threading.Event``) with a one-line :attr:`reason`."""
+
+    def __init__(self, handler: "RendezvousHandler", info: "RoundInfo", successors: int = 2) -> None:
+        self.info = info
+        self.reason: str | None = None
+        self.lost: list[str] = []
+        self.store_error: StoreError | None = None
+        self.changed = threading.Event()
+        self._handler = handler
+        self._store = handler.store.clone()
+        self._stop = threading.Event()
+        members = sorted(info.members, key=lambda m: m.rank)
+        me = next(i for i, m in enumerate(members) if m.node_id == handler.node_id)
+        picks = [members[(me + k) % len(members)] for k in range(1, successors + 1)]
+        self._watched = {m.node_id: m.rank for m in picks if m.node_id != handler.node_id}
+        self._thread = threading.Thread(target=self._run, name=f"elastictk-watch-r{info.round}", daemon=True)
+        self._thread.start()
+
+    def _signal(self, reason: str) -> None:
+        self.reason = reason
+        self.changed.set()
+
+    def _run(self) -> None:
+        cfg = self._handler.config
+        tracker = LivenessTracker(cfg.heartbeat_timeout)
+        next_arrivals = round_key(self.info.round + 1, "arrivals")
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._store.wait([next_arrivals], cfg.heartbeat_interval)
+                    if self._stop.is_set():
+                        return
+                    if self._store.try_get("shutdown") is not None:
+                        return self._signal("the job was shut down")
+                    count = int(self._store.try_get(next_arrivals) or b"0")
+                    return self._signal(f"round {self.info.round + 1} opened: {count} node(s) arrived")
+                except StoreTimeout:
+                    pass
+                now = time.monotonic()
+                for node_id, value in read_counters(self._store, list(self._watched)).items():
+                    tracker.observe(node_id, value, now)
+                    if tracker.is_dead(node_id, now):
+                        silent = tracker.silent_for(node_id, now)
+                        why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
+                        self._store.compare_set(
+                            f"lost/{node_id}", None, encode_note(by=self._handler.node_id, reason=why)
+                        )
+                        self.lost.append(node_id)
+                        return self._signal(why)
+        except StoreError as e:
+            self.store_error = e
+            self._signal(f"lost the rendezvous store: {e}")
+        finally:
+            self._store.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.changed.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._handler.config.heartbeat_interval + 5)

@@ -1,0 +1,189 @@
+"""``elastictk-run``'s argument parser: torchrun's flags, spellings, defaults and ``PET_*`` env.
+
+torchrun reads each flag from the command line, else from ``PET_<DEST>`` (``PET_NNODES``,
+``PET_NPROC_PER_NODE``...), else its default; elastictk's own flags read ``ELASTICTK_<DEST>``.
+The parser only collects text, remembering which values came from the environment
+(:class:`EnvText`); :func:`~elastictk.cli.resolve.config_from_namespace` turns them into a
+:class:`LaunchConfig`, so every bad value is reported as one line naming the flag or variable it
+came from.
+
+``elastictk.run.main(argv)`` is meant to be: ``config = parse_or_exit(argv)``, build the agent,
+run it.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any, Mapping, NoReturn, Sequence
+
+from .config import LaunchConfig, check_system
+from .resolve import PROG, config_from_namespace
+from .values import RECOVERY_MODES, START_METHODS, EnvText, UsageError
+
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`UsageError` instead of printing usage and exiting, so callers decide."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            message = f"no training script given: {PROG} [flags] SCRIPT [ARGS...]"
+        raise UsageError(f"{message} (see {PROG} --help)")
+
+
+class _Flag(argparse.Action):
+    """A switch: present means on; absent falls back to its env value (torch's ``check_env``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+_UNSUPPORTED = "not supported"  # torchrun flags accepted by the parser and refused by name
+
+# (flags, is_switch, help). Every value is read as text; config_from_namespace types it.
+_TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
+    (("--nnodes",), False, "number of nodes, N or MIN:MAX (default 1:1)"),
+    (("--nproc-per-node", "--nproc_per_node"), False,
+     "workers per node: a number, cpu, gpu or auto (default 1)"),
+    (("--rdzv-backend", "--rdzv_backend"), False,
+     "rendezvous backend: c10d, etcd (etcd-v2), file or static (default static)"),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), False,
+     "rendezvous endpoint HOST[:PORT] (c10d default port 29400, etcd 2379), or a PATH for file"),
+    (("--rdzv-id", "--rdzv_id"), False, "job id shared by all nodes (default none)"),
+    (("--rdzv-conf", "--rdzv_conf"), False,
+     "rendezvous settings k=v,...: join_timeout, last_call_timeout, close_timeout, timeout, "
+     "read_timeout, is_host, heartbeat_interval, heartbeat_timeout"),
+    (("--standalone",), True,
+     "single node: c10d store on localhost with a free port and a random id; overrides "
+     "--rdzv-backend/--rdzv-endpoint/--rdzv-id"),
+    (("--max-restarts", "--max_restarts"), False,
+     "worker group restarts before failing (default 0)"),
+    (("--monitor-interval", "--monitor_interval"), False,
+     "seconds between worker health checks (default 0.1)"),
+    (("--start-method", "--start_method"), False,
+     f"how workers start: {', '.join(START_METHODS)} (default spawn)"),
+    (("--event-log-handler", "--event_log_handler"), False,
+     "torch's event handler name; only 'null' is accepted: use --event-log PATH"),
+    (("--role",), False, "user-defined role of the workers (default 'default')"),
+    (("-m", "--module"), True, "run the script as a module, like python -m"),
+    (("--no-python", "--no_python"), True, "run the script as a program, without python"),
+    (("--run-path", "--run_path"), True,
+     "run the script with runpy.run_path; takes precedence over --no-python"),
+    (("--log-dir", "--log_dir"), False, "base directory for worker log files"),
+    (("-r", "--redirects"), False,
+     "streams to log files only: 0 none, 1 out, 2 err, 3 both, or per rank 0:1,1:2"),
+    (("-t", "--tee"), False, "streams to log files and console (forms as --redirects)"),
+    (("--local-ranks-filter", "--local_ranks_filter"), False,
+     "only show these local ranks on the console, e.g. 0,1"),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), False, _UNSUPPORTED),
+    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), False, _UNSUPPORTED),
+    (("--node-rank", "--node_rank"), False, "this node's rank (static backend only; default 0)"),
+    (("--master-addr", "--master_addr"), False, "master host (static backend; default 127.0.0.1)"),
+    (("--master-port", "--master_port"), False, "master port (static backend; default 29500)"),
+    (("--local-addr", "--local_addr"), False, "this node's address as peers see it"),
+    (("--signals-to-handle", "--signals_to_handle"), False,
+     "signals forwarded to workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
+    (("--shutdown-timeout", "--shutdown_timeout"), False,
+     "seconds from SIGTERM to SIGKILL when stopping workers (default "
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30); same as --grace-period"),
+    (("--virtual-local-rank", "--virtual_local_rank"), True,
+     "LOCAL_RANK=0 in every worker, each seeing only its own GPU"),
+]
+# torchrun flags without an env fallback (torch adds them with plain actions).
+_TORCH_NO_ENV = (("--logs-specs", "--logs_specs"), ("--numa-binding", "--numa_binding"))
+
+_OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
+    (("--recovery",), False,
+     f"on a worker failure: {' or '.join(RECOVERY_MODES)} (default restart-all)"),
+    (("--collective-timeout",), False, "seconds before a stuck collective counts as a hang"),
+    (("--metrics-port",), False, "serve Prometheus metrics on this port (0: any free port)"),
+    (("--metrics-host",), False, "address for the metrics server (default 127.0.0.1)"),
+    (("--restart-intensity",), False, "R/T: give up after more than R restarts in T seconds"),
+    (("--restart-backoff",), False, "seconds to wait before restarting workers (default 0)"),
+    (("--grace-period",), False, "seconds from SIGTERM to SIGKILL (default 30)"),
+    (("--rdzv-token",), False,
+     "shared secret nodes must present to join (prefer env ELASTICTK_RDZV_TOKEN: argv is public)"),
+    (("--event-log",), False, "append JSON-lines events to this file"),
+]
+
+
+def _dest(flags: Sequence[str]) -> str:
+    long = next(f for f in flags if f.startswith("--"))
+    return long[2:].replace("-", "_")
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with env-derived defaults read from ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    parser = _Parser(
+        prog=PROG,
+        description="Fault-tolerant, elastic drop-in for torchrun: same flags, same worker env.",
+    )
+    for group, prefix in ((_TORCH_FLAGS, "PET_"), (_OWN_FLAGS, "ELASTICTK_")):
+        for flags, switch, help_text in group:
+            dest = _dest(flags)
+            name = prefix + dest.upper()
+            raw = env.get(name)
+            default: Any = EnvText(raw, name) if raw else (False if switch else None)
+            shown = argparse.SUPPRESS if help_text == _UNSUPPORTED else help_text
+            if switch:
+                parser.add_argument(*flags, action=_Flag, dest=dest, default=default, help=shown)
+            else:
+                parser.add_argument(*flags, dest=dest, default=default, help=shown)
+    for flags in _TORCH_NO_ENV:  # parsed only to be refused by name, not with "unrecognized"
+        parser.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("training_script", help="the script (or module, or program) to run")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                        help="arguments passed on to the script")
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    check: bool = True,
+) -> LaunchConfig:
+    """argv (default ``sys.argv[1:]``) to a validated :class:`LaunchConfig`.
+
+    Raises :class:`UsageError` (one line) on bad input. ``check=False`` skips
+    :func:`check_system` (script on disk, program on PATH, ports free), for building a config
+    that will run elsewhere.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(environ).parse_args(args)
+    config = config_from_namespace(ns, environ)
+    if check:
+        check_system(config)
+    return config
+
+
+def parse_or_exit(argv: Sequence[str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """:func:`parse_args` for a ``main``: prints warnings, and on bad input prints
+    ``elastictk-run: error: <line>`` to stderr and exits 2, argparse-style, with no traceback."""
+    try:
+        config = parse_args(argv, environ)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for line in config.warnings:
+        print(f"{PROG}: warning: {line}", file=sys.stderr)
+    return config
+
+
+def main_for_test(argv: Sequence[str], environ: Mapping[str, str] | None = None,
+                  ) -> tuple[int, str, LaunchConfig | None]:
+    """Run :func:`parse_or_exit` in-process: ``(exit code, stderr text, config or None)``."""
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stderr(err), redirect_stdout(out):
+            config = parse_or_exit(argv, environ)
+    except SystemExit as e:
+        return (e.code if isinstance(e.code, int) else 1), err.getvalue(), None
+    return 0, err.getvalue(), config

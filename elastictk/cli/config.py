@@ -1,0 +1,238 @@
+"""``LaunchConfig``: everything ``elastictk-run`` was asked to do, validated, as plain data.
+
+The CLI builds one from flags (:func:`elastictk.cli.args.parse_args`); a launcher written in
+Python can build one directly and call :func:`validate` on it. Building an agent from it is the
+runner's job, so this module never imports torch, opens a store or spawns a process.
+:func:`check_system` holds the few checks that must look at this machine (files, PATH, ports);
+they are kept apart from the pure ones so the pure ones can be property-tested.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+from dataclasses import dataclass, field
+
+from ..store.endpoint import Endpoint
+from .values import BACKENDS, RECOVERY_MODES, START_METHODS, Std, UsageError
+
+DEFAULT_C10D_PORT = 29400  # torch's c10d rendezvous default
+DEFAULT_ETCD_PORT = 2379
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_GRACE_PERIOD = 30.0  # torch's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One node's launch request. Field names follow torch's ``LaunchConfig`` where they overlap.
+
+    ``rdzv_endpoint`` is set for the network backends (c10d, etcd, static); ``rdzv_path`` for
+    the file backend. Port 0 in ``rdzv_endpoint`` means "this node hosts the store on a free
+    port" (``--standalone`` and torchrun's single-node default), which only a one-node job can
+    use; ``standalone`` is true in both cases. ``entrypoint`` is the full worker argv, exactly
+    as torchrun builds it (``--run-path`` keeps the same argv: the runner may run it in-process).
+    ``redirects``/``tee`` hold one entry per local rank. ``warnings`` are lines the runner
+    prints before starting (ignored or overridden flags), so parsing itself stays silent.
+    """
+
+    # --- torchrun's flags -------------------------------------------------------------------
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str
+    rdzv_endpoint: Endpoint | None
+    run_id: str
+    entrypoint: list[str]
+    training_script: str
+    training_script_args: list[str] = field(default_factory=list)
+    rdzv_path: str | None = None
+    rdzv_conf: dict[str, float | bool] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    local_addr: str | None = None
+    signals_to_handle: tuple[signal.Signals, ...] = DEFAULT_SIGNALS
+    virtual_local_rank: bool = False
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    log_line_prefix_template: str | None = None
+    # --- elastictk's own flags --------------------------------------------------------------
+    recovery: str = "restart-all"
+    collective_timeout: float | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    restart_intensity: tuple[int, float] | None = None
+    restart_backoff: float = 0.0
+    rdzv_token: str | None = field(default=None, repr=False)
+    event_log: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def is_host(self) -> bool | None:
+        """``rdzv_conf``'s ``is_host``; ``None`` means infer it from the endpoint, as torch does."""
+        value = self.rdzv_conf.get("is_host")
+        return None if value is None else bool(value)
+
+    def store_port_to_bind(self) -> int | None:
+        """The fixed port this node must bind to host the rendezvous store, if known up front.
+
+        static: node rank 0 hosts the master store. c10d: only with ``is_host=true``; when
+        inferred, torch falls back to being a client if the port is taken (another agent on
+        this host got there first), so a busy port is not an error then. Port 0 binds a free
+        port, which never clashes.
+        """
+        ep = self.rdzv_endpoint
+        if ep is None or ep.port == 0:
+            return None
+        if self.rdzv_backend == "static" and self.node_rank == 0:
+            return ep.port
+        if self.rdzv_backend == "c10d" and self.is_host is True:
+            return ep.port
+        return None
+
+
+def validate(config: LaunchConfig) -> list[str]:
+    """Every problem with ``config`` as one line each (empty when it is sound); pure."""
+    c = config
+    out: list[str] = []
+    if c.min_nodes < 1 or c.max_nodes < 1:
+        out.append(f"nnodes {c.min_nodes}:{c.max_nodes}: node counts must be at least 1")
+    elif c.min_nodes > c.max_nodes:
+        out.append(
+            f"min {c.min_nodes} > max {c.max_nodes}: use --nnodes MIN:MAX with MIN <= MAX"
+        )
+    if c.nproc_per_node < 1:
+        out.append(f"nproc_per_node {c.nproc_per_node}: need at least 1 worker per node")
+    if c.rdzv_backend not in BACKENDS:
+        out.append(f"rdzv_backend {c.rdzv_backend!r}: use one of {', '.join(BACKENDS)}")
+    elif c.rdzv_backend == "file":
+        if not c.rdzv_path:
+            out.append("the file backend needs --rdzv-endpoint PATH (a file all nodes can reach)")
+    elif c.rdzv_endpoint is None:
+        out.append(f"the {c.rdzv_backend} backend needs an endpoint (--rdzv-endpoint HOST:PORT)")
+    elif c.rdzv_endpoint.port == 0 and c.max_nodes > 1:
+        out.append(
+            f"rdzv endpoint {c.rdzv_endpoint} has port 0 (a free port only this node knows), "
+            f"but up to {c.max_nodes} nodes may join: give a fixed port"
+        )
+    if not c.run_id or "/" in c.run_id:
+        out.append(f"rdzv id {c.run_id!r}: must be non-empty and contain no '/'")
+    if c.rdzv_backend == "static" and not 0 <= c.node_rank < c.max_nodes:
+        out.append(
+            f"node rank {c.node_rank}: static rendezvous with {c.max_nodes} node(s) needs "
+            f"--node-rank in 0..{c.max_nodes - 1}"
+        )
+    if c.node_rank < 0:
+        out.append(f"node rank {c.node_rank}: must be at least 0")
+    if c.max_restarts < 0:
+        out.append(f"max restarts {c.max_restarts}: must be at least 0")
+    if not c.monitor_interval > 0:
+        out.append(f"monitor interval {c.monitor_interval}: must be more than 0 seconds")
+    if c.start_method not in START_METHODS:
+        out.append(f"start method {c.start_method!r}: use one of {', '.join(START_METHODS)}")
+    if c.recovery not in RECOVERY_MODES:
+        out.append(f"recovery {c.recovery!r}: use one of {', '.join(RECOVERY_MODES)}")
+    if not c.role:
+        out.append("role is empty: give --role a name")
+    if not c.entrypoint or not c.training_script:
+        out.append("no training script: elastictk-run [flags] SCRIPT [ARGS...]")
+    if c.module and c.no_python:
+        out.append("--module and --no-python cannot be used together: choose one")
+    if not c.grace_period >= 0:
+        out.append(f"grace period {c.grace_period}: must be 0 or more seconds")
+    if c.collective_timeout is not None and not c.collective_timeout > 0:
+        out.append(f"collective timeout {c.collective_timeout}: must be more than 0 seconds")
+    if c.restart_backoff < 0:
+        out.append(f"restart backoff {c.restart_backoff}: must be 0 or more seconds")
+    if c.restart_intensity is not None and (
+        c.restart_intensity[0] < 0 or not c.restart_intensity[1] > 0
+    ):
+        out.append(f"restart intensity {c.restart_intensity}: need R >= 0 and T > 0")
+    for name in ("master_port", "metrics_port"):
+        port = getattr(c, name)
+        if port is not None and not 0 <= port <= 65535:
+            out.append(f"{name} {port}: out of range 0-65535")
+    return out
+
+
+def check_system(config: LaunchConfig) -> None:
+    """Checks that look at this machine; raises :class:`UsageError` on the first problem.
+
+    Run once before launching, so a typo in the script path fails in a second with one line
+    instead of after a rendezvous round with N restarts of a worker that cannot start.
+    """
+    c = config
+    script = c.training_script
+    if c.no_python and not c.run_path:
+        if os.sep in script:
+            if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+                raise UsageError(
+                    f"--no-python: {script!r} is not an executable file; check the path "
+                    "and its execute permission"
+                )
+        elif shutil.which(script) is None:
+            raise UsageError(
+                f"--no-python: {script!r} is not found on PATH; give its full path"
+            )
+    elif not c.module and not os.path.isfile(script):
+        raise UsageError(
+            f"training script {script!r} not found (looked in {os.getcwd()}); pass an existing "
+            "file, or -m for a module, or --no-python for a program"
+        )
+    if c.log_dir is not None and os.path.exists(c.log_dir) and not os.path.isdir(c.log_dir):
+        raise UsageError(f"--log-dir {c.log_dir}: is a file, not a directory; pick a directory")
+    if c.rdzv_path is not None:
+        parent = os.path.dirname(os.path.abspath(c.rdzv_path))
+        if not os.path.isdir(parent):
+            raise UsageError(
+                f"--rdzv-endpoint {c.rdzv_path}: directory {parent} does not exist; the file "
+                "backend needs a path in an existing (shared) directory"
+            )
+    port, ep = c.store_port_to_bind(), c.rdzv_endpoint
+    if port is not None and ep is not None and port_taken("", port, ep.host):
+        if c.rdzv_backend == "static":
+            raise UsageError(
+                f"--master-port {port}: the port is already in use on this host, and node rank 0 "
+                "hosts the store there; pass a free --master-port (or --standalone for one node)"
+            )
+        raise UsageError(
+            f"--rdzv-endpoint {c.rdzv_endpoint}: port {port} is already in use on this host, and "
+            "is_host=true makes this node host the store there; pick a free port"
+        )
+    if c.metrics_port and port_taken(c.metrics_host, c.metrics_port, c.metrics_host):
+        raise UsageError(
+            f"--metrics-port {c.metrics_port}: already in use on {c.metrics_host}; pick a free "
+            "port, or 0 for any free one"
+        )
+
+
+def port_taken(bind_host: str, port: int, family_hint: str) -> bool:
+    """Whether a listener already holds ``port``; ``bind_host=""`` checks all interfaces.
+
+    SO_REUSEADDR keeps a port left in TIME_WAIT by a previous run from counting as taken (the
+    c10d store sets it too); only a live listener makes the bind fail.
+    """
+    family = socket.AF_INET6 if ":" in family_hint else socket.AF_INET
+    if bind_host == "" and family == socket.AF_INET6:
+        bind_host = "::"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError:
+            return True
+    return False

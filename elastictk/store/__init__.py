@@ -9,11 +9,12 @@ from .base import (
     StoreUnreachable,
 )
 from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_in_use
+from .file import FileStore
 from .prefix import PrefixStore
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "PrefixStore", "Store",
-    "StoreClosed", "StoreError", "StoreTimeout", "StoreUnreachable", "TCPStore",
+    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "FileStore", "PrefixStore",
+    "Store", "StoreClosed", "StoreError", "StoreTimeout", "StoreUnreachable", "TCPStore",
     "free_port", "parse_endpoint", "port_in_use",
 ]
 

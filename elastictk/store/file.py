@@ -1,0 +1,416 @@
+"""A store in a directory on local disk or a shared filesystem (NFS): no server to lose.
+
+A single-host job, or a cluster whose nodes share an NFS mount, can rendezvous through plain
+files: there is no process whose death takes the store down, so the store must stay correct when
+*any* participant is SIGKILLed in the middle of *any* operation. The layout makes that hold:
+
+- One file per key, ``k.<percent-escaped key>`` (keys may contain ``/``; a key too long for a
+  file name lives in ``h.<sha256>`` with the key stored in front of the value).
+- Every write goes to a private temp file ``t.<pid>.<random>``, is fsynced, then ``os.replace``\\ d
+  over the key file: readers see the old value or the new one, never part of one, and need no
+  lock. A writer killed before the rename leaves only a temp file, which never shows up as a key
+  and is removed once it is older than :data:`TEMP_MAX_AGE`.
+- Writes and read-modify-writes (``set``, ``add``, ``compare_set``, ``delete``) hold an
+  exclusive ``flock`` on one of :data:`LOCK_STRIPES` lock files, picked by a hash of the key, so
+  processes working on different keys rarely serialize. The kernel drops a ``flock`` when its
+  holder dies, so a killed participant never leaves a stale lock; an ``add`` that returned has
+  renamed its new value into place, so it is never lost.
+- ``wait``/``get`` wake on inotify events for the directory and also re-check on a backoff
+  capped at :data:`POLL_CAP`, because inotify does not see writes made by other NFS clients.
+
+A power loss may roll a key back to an earlier value (the directory is not fsynced per write),
+but never tears one.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import secrets
+import time
+import weakref
+import zlib
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+from urllib.parse import quote_from_bytes, unquote_to_bytes
+
+from . import _inotify
+from .base import DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout
+
+LOCK_STRIPES = 64
+"""How many lock files the keys are spread over (by CRC-32 of the key)."""
+TEMP_MAX_AGE = 60.0
+"""Seconds after which a temp file is taken to be left by a killed writer and removed."""
+POLL_CAP = 0.05
+"""Longest pause between re-checks while waiting, so NFS writers from other hosts are seen."""
+
+_KEY, _HASHED, _TEMP, _LOCK = "k.", "h.", "t.", "lock."
+_MAX_NAME = 240  # below NAME_MAX (255) on every filesystem elastictk runs on
+_LEN_BYTES = 4  # big-endian length of the key in front of a hashed file's value
+
+
+def _key_bytes(key: str) -> bytes:
+    return key.encode("utf-8", "surrogatepass")
+
+
+def key_file(key: str) -> str:
+    """The file name that holds ``key``.
+
+    Percent-escaping is a prefix code (``%`` itself is escaped), so a name starts with the
+    escaped prefix exactly when the key starts with the prefix: ``keys(prefix)`` filters names
+    without decoding them.
+    """
+    escaped = quote_from_bytes(_key_bytes(key), safe="")
+    if len(escaped) <= _MAX_NAME:
+        return _KEY + escaped
+    return _HASHED + hashlib.sha256(_key_bytes(key)).hexdigest()
+
+
+def lock_stripe(key: str) -> int:
+    """Which lock file guards ``key``; stable across processes and hosts."""
+    return zlib.crc32(_key_bytes(key)) % LOCK_STRIPES
+
+
+class _Handles:
+    """The fds a store holds, closable from a finalizer without keeping the store alive."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self.dir_fd = dir_fd
+        self.watch: _inotify.DirWatch | None = None
+        self.watch_pid = 0
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()  # in a forked child this closes only the child's copy
+            self.watch = None
+        if self.dir_fd >= 0:
+            fd, self.dir_fd = self.dir_fd, -1
+            os.close(fd)
+
+
+class FileStore(Store):
+    """A :class:`Store` in directory ``path`` (created mode 0700 if missing; files mode 0600).
+
+    ``durable=False`` skips the fsync of each written value: faster, still never torn by a
+    killed process, but a power loss may leave an empty key file. ``watch=False`` turns off
+    inotify and waits by polling alone (what happens anyway where inotify is unavailable).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        durable: bool = True,
+        watch: bool = True,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.default_timeout = timeout
+        self.durable = durable
+        self.use_watch = watch
+        self._handles = _Handles(self._open_dir())
+        self._finalizer = weakref.finalize(self, self._handles.close)
+        self._next_gc = 0.0
+        try:  # fail now, with one clear line, where the directory is not writable
+            os.close(self._lock_fd(0))
+            self._collect_temp(os.listdir(self._dir))
+        except OSError as e:
+            self.close()
+            raise self._path_error(e) from None
+
+    # -- opening -------------------------------------------------------------------------------
+    def _open_dir(self) -> int:
+        try:
+            if not os.path.isdir(self.path):
+                os.makedirs(self.path, mode=0o700, exist_ok=True)
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileExistsError, NotADirectoryError):
+            blocker = self.path
+            while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+                blocker = os.path.dirname(blocker)
+            raise self._path_error(f"{blocker} is not a directory") from None
+        except OSError as e:
+            raise self._path_error(e) from None
+
+    def _path_error(self, problem: str | OSError) -> StoreError:
+        if isinstance(problem, PermissionError):
+            reason = "permission denied"
+            fix = f"use a directory that user id {os.geteuid()} can write, or fix its permissions"
+        else:
+            reason = problem if isinstance(problem, str) else problem.strerror or str(problem)
+            fix = "pass a path to a writable directory (it is created if missing)"
+        return StoreError(f"cannot use {self.path} for a file store: {reason}; {fix}")
+
+    @property
+    def _dir(self) -> int:
+        if self._handles.dir_fd < 0:
+            raise StoreClosed(f"{self.describe()} is closed")
+        return self._handles.dir_fd
+
+    # -- files ---------------------------------------------------------------------------------
+    @contextmanager
+    def _op(self, what: str, key: str | None = None) -> Iterator[int]:
+        """The directory fd; turns an OS error into one line naming the store and the key."""
+        dir_fd = self._dir
+        try:
+            yield dir_fd
+        except StoreError:
+            raise
+        except OSError as e:
+            on = f" of key {key!r}" if key is not None else ""
+            raise StoreError(
+                f"{what}{on} in {self.describe()} failed: {e.strerror or e}; check that the "
+                "directory still exists, is writable and its filesystem is not full"
+            ) from None
+
+    def _lock_fd(self, stripe: int) -> int:
+        return os.open(
+            f"{_LOCK}{stripe:02d}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=self._dir
+        )
+
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """Hold the key's stripe lock. Polls with a short backoff, so it can time out: a holder
+        that is stopped (SIGSTOP) or a hung filesystem gives an error, not a hang."""
+        fd = self._lock_fd(lock_stripe(key))
+        try:
+            deadline = Deadline(self.default_timeout)
+            pause = 0.0002
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline.expired():
+                        raise StoreTimeout(
+                            f"timed out after {self.default_timeout:g}s waiting for the lock on "
+                            f"key {key!r} in {self.describe()}; another participant holds it "
+                            "(stopped, or the filesystem hangs): resume or kill it"
+                        ) from None
+                    time.sleep(min(pause, deadline.remaining() or 0.0))
+                    pause = min(pause * 2, 0.005)
+            yield
+        finally:
+            os.close(fd)  # also releases the lock
+
+    def _read(self, dir_fd: int, key: str, name: str) -> bytes | None:
+        for attempt in range(3):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno == errno.ESTALE and attempt < 2:  # NFS: replaced under our feet
+                    continue
+                raise
+            try:
+                chunks = []
+                while chunk := os.read(fd, 1 << 20):
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+                break
+            except OSError as e:
+                if e.errno == errno.ESTALE and attempt < 2:
+                    continue
+                raise
+            finally:
+                os.close(fd)
+        if name.startswith(_HASHED):
+            kb = _key_bytes(key)
+            n = int.from_bytes(data[:_LEN_BYTES], "big")
+            if data[_LEN_BYTES:_LEN_BYTES + n] != kb:
+                raise StoreError(f"{name} in {self.describe()} does not hold key {key!r}")
+            data = data[_LEN_BYTES + n:]
+        return data
+
+    def _write(self, dir_fd: int, key: str, name: str, value: bytes) -> None:
+        if name.startswith(_HASHED):
+            kb = _key_bytes(key)
+            value = len(kb).to_bytes(_LEN_BYTES, "big") + kb + value
+        while True:
+            tmp = f"{_TEMP}{os.getpid()}.{secrets.token_hex(8)}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            try:
+                view = memoryview(value)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.durable:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _unlink_quietly(tmp, dir_fd)
+                raise
+            os.close(fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                return
+            except FileNotFoundError:
+                continue  # collected as stale by a peer with a skewed clock: write it again
+
+    def _exists(self, dir_fd: int, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _collect_temp(self, names: list[str]) -> None:
+        """Remove temp files old enough to have been left by a killed writer."""
+        now = time.time()
+        self._next_gc = time.monotonic() + TEMP_MAX_AGE / 2
+        for name in names:
+            if not name.startswith(_TEMP):
+                continue
+            try:
+                if now - os.stat(name, dir_fd=self._dir).st_mtime > TEMP_MAX_AGE:
+                    os.unlink(name, dir_fd=self._dir)
+            except FileNotFoundError:
+                pass
+
+    # -- the Store primitives ------------------------------------------------------------------
+    def set(self, key: str, value: bytes) -> None:
+        with self._op("set", key) as d, self._locked(key):
+            self._write(d, key, key_file(key), bytes(value))
+
+    def try_get(self, key: str) -> bytes | None:
+        with self._op("get", key) as d:
+            return self._read(d, key, key_file(key))
+
+    def add(self, key: str, amount: int) -> int:
+        name = key_file(key)
+        with self._op("add", key) as d, self._locked(key):
+            current = self._read(d, key, name)
+            try:
+                value = int(current.decode("ascii")) if current is not None else 0
+            except (UnicodeDecodeError, ValueError):
+                raise StoreError(
+                    f"add on key {key!r} in {self.describe()}: it holds {current[:32]!r}, not a "
+                    "decimal counter; use another key for the counter"
+                ) from None
+            value += int(amount)
+            self._write(d, key, name, str(value).encode("ascii"))
+            return value
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
+        name, exp = key_file(key), expected or b""
+        with self._op("compare_set", key) as d, self._locked(key):
+            current = self._read(d, key, name)
+            if (not current) if not exp else current == exp:  # b"" also matches absent/empty
+                self._write(d, key, name, bytes(desired))
+                return bytes(desired)
+            return current
+
+    def delete(self, key: str) -> bool:
+        with self._op("delete", key) as d, self._locked(key):
+            try:
+                os.unlink(key_file(key), dir_fd=d)
+                return True
+            except FileNotFoundError:
+                return False
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        found: list[bytes] = []
+
+        def ready() -> bool:
+            value = self.try_get(key)
+            if value is not None:
+                found.append(value)
+            return value is not None
+
+        self._await(ready, [key], self._timeout(timeout))
+        return found[0]
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        names = [key_file(k) for k in keys]
+
+        def ready() -> bool:
+            with self._op("wait") as d:
+                return all(self._exists(d, n) for n in names)
+
+        self._await(ready, keys, self._timeout(timeout))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        want = _KEY + quote_from_bytes(_key_bytes(prefix), safe="")
+        out: list[str] = []
+        with self._op("keys") as d:
+            names = os.listdir(d)
+            for name in names:
+                if name.startswith(want):
+                    out.append(unquote_to_bytes(name[len(_KEY):]).decode("utf-8", "surrogatepass"))
+                elif name.startswith(_HASHED):
+                    key = self._hashed_key(d, name)
+                    if key is not None and key.startswith(prefix):
+                        out.append(key)
+            if time.monotonic() >= self._next_gc:
+                self._collect_temp(names)
+        return out
+
+    def _hashed_key(self, dir_fd: int, name: str) -> str | None:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            n = int.from_bytes(os.pread(fd, _LEN_BYTES, 0), "big")
+            return os.pread(fd, n, _LEN_BYTES).decode("utf-8", "surrogatepass")
+        finally:
+            os.close(fd)
+
+    def clone(self) -> "FileStore":
+        if self._handles.dir_fd < 0:
+            raise StoreClosed(f"{self.describe()} is closed")
+        return _reopen(self.path, self.default_timeout, self.durable, self.use_watch)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def describe(self) -> str:
+        return f"file://{self.path}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Picklable as its path and settings, so a spawned worker can open the same store."""
+        return (_reopen, (self.path, self.default_timeout, self.durable, self.use_watch))
+
+    # -- waiting -------------------------------------------------------------------------------
+    def _watch(self) -> _inotify.DirWatch | None:
+        h = self._handles
+        if not self.use_watch:
+            return None
+        if h.watch_pid != os.getpid():  # first use, or we are a forked child: our own watch
+            if h.watch is not None:
+                h.watch.close()
+            h.watch = _inotify.open_watch(self.path, _inotify.IN_MOVED_TO)
+            h.watch_pid = os.getpid()
+        return h.watch
+
+    def _await(self, ready: Callable[[], bool], keys: Sequence[str], timeout: float) -> None:
+        """Re-check ``ready`` on every directory event and on a backoff capped at POLL_CAP."""
+        deadline = Deadline(timeout)
+        watch = self._watch()
+        pause = 0.002
+        while True:
+            if watch is not None:
+                watch.drain()  # before the check, so a change during it still wakes us
+            if ready():
+                return
+            remaining = deadline.remaining() or 0.0
+            if remaining <= 0:
+                raise self._timeout_error(keys, timeout)
+            if watch is not None:
+                watch.wait(min(pause, remaining))
+            else:
+                time.sleep(min(pause, remaining))
+            pause = min(pause * 2, POLL_CAP)
+
+
+def _reopen(path: str, timeout: float, durable: bool, watch: bool) -> FileStore:
+    return FileStore(path, timeout, durable=durable, watch=watch)
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass

@@ -1,0 +1,91 @@
+"""``python -m bench [name ...] [--quick] [--json PATH]``: run benchmarks, print and save tables.
+
+Without ``--quick`` each benchmark's report goes to ``bench/results/<name>.md`` and ``.json``
+(committed, so the README can quote the last full run). ``--quick`` is a smoke run that writes
+nothing there; ``--json PATH`` writes all results of this run to PATH in either mode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from . import available, load
+from .common import (
+    RESULTS_DIR, BenchError, RunConfig, loadavg, machine_info, markdown_report, markdown_table,
+    now_text, result_json, write_atomic,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run elastictk benchmarks side by side with their torch counterparts.",
+    )
+    p.add_argument("names", nargs="*", metavar="name",
+                   help=f"benchmarks to run (default: all of {', '.join(available())})")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds-long smoke run: tiny sizes, few samples, "
+                   "no files in bench/results")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write this run's results here")
+    return p
+
+
+def _terminate(signum: int, frame: Any) -> NoReturn:
+    # SIGTERM unwinds like Ctrl-C, so every benchmark stops the servers and clients it started.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("python -m bench: interrupted (everything it started has been stopped)",
+              file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    names = args.names or available()
+    try:
+        modules = {name: load(name) for name in names}
+    except ValueError as e:
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    cfg = RunConfig.make(args.quick)
+    machine = machine_info()
+    all_json: dict[str, Any] = {}
+    failed: list[str] = []
+    for name, module in modules.items():
+        cfg.log(f"== {name}: {module.TITLE}{' (quick)' if args.quick else ''}")
+        machine = {**machine, "loadavg_at_start": loadavg()}
+        try:
+            result = module.run(cfg)
+        except BenchError as e:
+            print(f"python -m bench: {name} failed: {e}", file=sys.stderr)
+            failed.append(name)
+            continue
+        when = now_text()
+        machine = {**machine, "loadavg_at_end": loadavg()}
+        print(f"\n## {result.title}\n\n{markdown_table(result)}\n", flush=True)
+        for note in result.notes:
+            print(f"note: {note}")
+        data = result_json(result, machine, when)
+        all_json[name] = data
+        if not args.quick:
+            write_atomic(RESULTS_DIR / f"{name}.md", markdown_report(result, machine, when))
+            write_atomic(RESULTS_DIR / f"{name}.json", json.dumps(data, indent=2) + "\n")
+            cfg.log(f"wrote {RESULTS_DIR / name}.md and .json")
+    if args.json is not None:
+        combined = {"quick": args.quick, "benchmarks": all_json}
+        write_atomic(args.json, json.dumps(combined, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

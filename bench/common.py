@@ -164,6 +164,9 @@ def fmt_stats(s: Stats) -> str:
     return f"{fmt(s.median)} [{fmt(s.q1)}–{fmt(s.q3)}]"
 
 
+_SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
 def markdown_table(result: BenchResult) -> str:
     """The comparison table: one row per case, medians with IQR and the worded ratio."""
     case_cols = list(result.rows[0].case) if result.rows else []
@@ -172,17 +175,18 @@ def markdown_table(result: BenchResult) -> str:
         "reference", f"{result.unit} median [IQR]", "elastictk vs reference",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    marks = {note: _SUPERSCRIPTS[i % len(_SUPERSCRIPTS)]
+             for i, note in enumerate(dict.fromkeys(row.note for row in result.rows if row.note))}
     for row in result.rows:
         o, r = row.ours.stats, row.ref.stats
-        ref_label = row.ref.label + (" ¹" if row.note else "")
+        ref_label = row.ref.label + (f" {marks[row.note]}" if row.note else "")
         cells = [row.case[c] for c in case_cols] + [
             row.ours.label, fmt_stats(o), ref_label, fmt_stats(r),
             ratio_text(o, r, result.higher_is_better),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = sorted({row.note for row in result.rows if row.note})
-    for n in notes:
-        lines.append(f"\n¹ {n}")
+    for note, mark in marks.items():
+        lines.append(f"\n{mark} {note}")
     return "\n".join(lines)
 
 

@@ -128,7 +128,12 @@ def test_interleaving_alternates_direction(subjects: list[str], rounds: int) -> 
 def test_table_marks_the_reference_note_and_noise() -> None:
     ours, theirs = Measured("ours", [10, 11, 12]), Measured("theirs", [11, 12, 13])
     row = Comparison({"op": "get"}, ours, theirs, note="no counterpart")
-    result = BenchResult("x", "X", "", "ops/s", True, [row])
+    other = Comparison({"op": "set"}, Measured("ours", [30]), Measured("theirs", [10]),
+                       note="other")
+    result = BenchResult("x", "X", "", "ops/s", True, [row, other])
     table = markdown_table(result)
     assert "theirs ¹" in table and "¹ no counterpart" in table
-    assert "(IQRs overlap)" in table and "slower" in table
+    assert "theirs ²" in table and "² other" in table
+    assert ("| get | ours | 11 [10.5–11.5] | theirs ¹ | 12 [11.5–12.5] | "
+            "×1.09 slower (IQRs overlap) |") in table
+    assert "| set | ours | 30 [30–30] | theirs ² | 10 [10–10] | ×3.00 faster |" in table

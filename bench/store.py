@@ -207,7 +207,7 @@ class _Stores:
         }
         if self.have_file:
             d = self.tmp
-            specs["etk-file"] = ("FileStore", {
+            specs["etk-file"] = ("FileStore (default: fsync)", {
                 "kind": "etk-file", "path": str(d / f"{case}-etk"), "durable": True})
             specs["etk-file-nosync"] = ("FileStore durable=False", {
                 "kind": "etk-file", "path": str(d / f"{case}-etk-nosync"), "durable": False})

@@ -1,0 +1,390 @@
+"""The failure report: which worker failed first, how, and why, built from worker results.
+
+torchrun answers "what broke?" with a table keyed on error-file timestamps (one-second
+resolution, absent for signals) and prints ``exitcode: -11``. This report orders failures by the
+supervisor's own monotonic end times, names signals (``SIGSEGV (signal 11)``), shows the
+traceback from the error file or, when there is none or it is garbage, the tail of the worker's
+stderr log, and says plainly which of the two it used and why.
+
+Everything here is a pure function of worker results and files on disk, except
+``FailureReport.collect`` which reads the host name and the clock offset once at the edge.
+"""
+from __future__ import annotations
+
+import signal as _signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Iterable, Optional, Protocol
+
+from .errors import ErrorFileUnreadable, ErrorRecord, read_error_file
+from .tail import MAX_TAIL_LINES, TAIL_LINES, pick_tail, read_tail
+
+__all__ = [
+    "FailureReport", "ProcessFailure", "WorkerExit", "WorkerGroupFailed", "WorkerOutcome",
+    "describe_exit", "failure_of", "is_failure", "signal_label", "signal_number",
+    "render_report", "MAX_TAIL_LINES", "TAIL_LINES", "pick_tail", "read_tail",
+]
+
+SCHEMA = "elastictk.failure/1"
+
+
+class WorkerOutcome(Protocol):
+    """What the report needs from one worker's result (read-only, so frozen dataclasses fit;
+    the worker group's ``WorkerResult`` does). Times are monotonic; ``exitcode`` is None while
+    running and negative (Popen style) when a signal ended the process."""
+
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def exitcode(self) -> Optional[int]: ...
+    @property
+    def signal(self) -> Optional[int]: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def ended_at(self) -> Optional[float]: ...
+    @property
+    def stderr_path(self) -> Optional[str]: ...
+    @property
+    def error_file(self) -> Optional[str]: ...
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A plain ``WorkerOutcome``: for callers that hold results in another shape, and tests."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: Optional[int]
+    signal: Optional[int] = None
+    started_at: float = 0.0
+    ended_at: Optional[float] = None
+    stdout_path: Optional[str] = None
+    stderr_path: Optional[str] = None
+    error_file: Optional[str] = None
+    stopped: bool = False  # the supervisor had already signalled it (optional on other results)
+
+
+def signal_number(exitcode: Optional[int], signum: Optional[int]) -> Optional[int]:
+    """The signal that ended a process, from either an explicit number or a negative code."""
+    if signum:
+        return signum
+    if exitcode is not None and exitcode < 0:
+        return -exitcode
+    return None
+
+
+def signal_label(signum: int) -> str:
+    """``SIGSEGV (signal 11)``; an unknown number stays a number."""
+    try:
+        return f"{_signal.Signals(signum).name} (signal {signum})"
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(exitcode: Optional[int], signum: Optional[int] = None) -> str:
+    """How a process ended, in words a person reads without a signal table."""
+    sig = signal_number(exitcode, signum)
+    if sig is not None:
+        return signal_label(sig)
+    if exitcode is None:
+        return "still running"
+    if exitcode > 128 and exitcode - 128 in _signal.valid_signals():
+        # A shell (or bash -c wrapper) reports a child killed by signal N as 128+N.
+        return f"exit code {exitcode} (128+{exitcode - 128}: {signal_label(exitcode - 128)} via a shell?)"
+    return f"exit code {exitcode}"
+
+
+def is_failure(w: WorkerOutcome) -> bool:
+    """A worker failed when it has ended with a signal or a non-zero exit code."""
+    if w.ended_at is None and w.exitcode is None:
+        return False
+    return signal_number(w.exitcode, w.signal) is not None or (w.exitcode or 0) != 0
+
+
+@dataclass(frozen=True)
+class ProcessFailure:
+    """One failed worker, as plain data (JSON round-trips through ``to_json``/``from_json``)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    hostname: str
+    exitcode: Optional[int]
+    signal: Optional[int]
+    started_at: float  # monotonic, on ``hostname``
+    ended_at: float  # monotonic, on ``hostname``
+    ended_wall: Optional[float] = None  # seconds since the epoch, for people
+    error_file: Optional[str] = None
+    error: Optional[ErrorRecord] = None
+    error_file_problem: Optional[str] = None  # why ``error`` is None although a path was set
+    stderr_path: Optional[str] = None
+    stderr_tail: tuple[str, ...] = ()
+    stderr_problem: Optional[str] = None
+    stopped_by_supervisor: bool = False
+
+    @property
+    def exit_description(self) -> str:
+        return describe_exit(self.exitcode, self.signal)
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.ended_at - self.started_at)
+
+    @property
+    def error_code(self) -> int:
+        """torch's convention for ``errorCode``: the exit code, negative for a signal."""
+        sig = signal_number(self.exitcode, self.signal)
+        return -sig if sig is not None else int(self.exitcode or 0)
+
+    def cause(self, limit: int = 100) -> str:
+        """A noun phrase for one-line messages: ``rank 1's SIGSEGV (signal 11)``."""
+        what = self.error.message if self.error is not None else self.exit_description
+        what = " ".join(what.split())
+        if len(what) > limit:
+            what = what[: limit - 3] + "..."
+        return f"rank {self.rank}'s {what}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
+            "hostname": self.hostname, "exitcode": self.exitcode, "signal": self.signal,
+            "exit": self.exit_description, "started_at": self.started_at,
+            "ended_at": self.ended_at, "ended_wall": self.ended_wall,
+            "error_file": self.error_file,
+            "error": self.error.to_json() if self.error is not None else None,
+            "error_file_problem": self.error_file_problem, "stderr_path": self.stderr_path,
+            "stderr_tail": list(self.stderr_tail), "stderr_problem": self.stderr_problem,
+            "stopped_by_supervisor": self.stopped_by_supervisor,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProcessFailure:
+        try:
+            err = d.get("error")
+            error = None
+            if err is not None:
+                error = ErrorRecord(message=str(err["message"]), traceback=err.get("traceback"),
+                                    timestamp=err.get("timestamp"), error_code=err.get("error_code"))
+            return cls(
+                rank=int(d["rank"]), local_rank=int(d["local_rank"]), pid=int(d["pid"]),
+                hostname=str(d["hostname"]), exitcode=d.get("exitcode"), signal=d.get("signal"),
+                started_at=float(d["started_at"]), ended_at=float(d["ended_at"]),
+                ended_wall=d.get("ended_wall"), error_file=d.get("error_file"), error=error,
+                error_file_problem=d.get("error_file_problem"), stderr_path=d.get("stderr_path"),
+                stderr_tail=tuple(d.get("stderr_tail") or ()),
+                stderr_problem=d.get("stderr_problem"),
+                stopped_by_supervisor=bool(d.get("stopped_by_supervisor", False)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"not an elastictk failure record ({type(e).__name__}: {e})") from None
+
+
+def failure_of(w: WorkerOutcome, *, hostname: str, wall_offset: Optional[float] = None,
+               stopped: bool = False, tail_lines: int = TAIL_LINES) -> ProcessFailure:
+    """Build one ``ProcessFailure``: read the error file, and the stderr tail when it has none.
+
+    ``wall_offset`` is ``time.time() - time.monotonic()`` on the worker's host (None: unknown).
+    """
+    ended = w.ended_at if w.ended_at is not None else w.started_at
+    error: Optional[ErrorRecord] = None
+    problem: Optional[str] = None
+    if w.error_file:
+        try:
+            error = read_error_file(w.error_file)
+        except ErrorFileUnreadable as e:
+            problem = str(e)
+    tail: list[str] = []
+    stderr_problem: Optional[str] = None
+    if error is None or not error.traceback:
+        if w.stderr_path:
+            try:
+                tail = read_tail(w.stderr_path, tail_lines)
+            except OSError as e:
+                stderr_problem = f"cannot read {w.stderr_path}: {e.strerror or e}"
+        else:
+            stderr_problem = "stderr was not captured to a file"
+    return ProcessFailure(
+        rank=w.rank, local_rank=w.local_rank, pid=w.pid, hostname=hostname,
+        exitcode=w.exitcode, signal=signal_number(w.exitcode, w.signal),
+        started_at=w.started_at, ended_at=ended,
+        ended_wall=ended + wall_offset if wall_offset is not None else None,
+        error_file=w.error_file or None, error=error, error_file_problem=problem,
+        stderr_path=w.stderr_path or None, stderr_tail=tuple(tail),
+        stderr_problem=stderr_problem, stopped_by_supervisor=stopped,
+    )
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """All failed workers of one attempt, first observed failure first."""
+
+    failures: tuple[ProcessFailure, ...]
+    total_workers: int
+    hostname: str
+    title: str = "worker group failed"
+    restart_count: Optional[int] = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def root_cause(self) -> Optional[ProcessFailure]:
+        return self.failures[0] if self.failures else None
+
+    @classmethod
+    def build(cls, results: Iterable[WorkerOutcome], *, hostname: str,
+              wall_offset: Optional[float] = None, stopped: Iterable[int] = (),
+              title: str = "worker group failed", restart_count: Optional[int] = None,
+              tail_lines: int = TAIL_LINES) -> FailureReport:
+        """Pure over its inputs and the files they name. ``stopped``: global ranks the supervisor
+        itself terminated after the first failure (also read from a result's ``stopped`` flag),
+        reported as such and never as the root cause unless nothing else failed."""
+        results = list(results)
+        stopped_set = set(stopped)
+        failed = [w for w in results if is_failure(w)]
+        failures = [failure_of(w, hostname=hostname, wall_offset=wall_offset,
+                               stopped=w.rank in stopped_set or bool(getattr(w, "stopped", False)),
+                               tail_lines=tail_lines)
+                    for w in failed]
+        failures.sort(key=lambda f: (f.stopped_by_supervisor, f.ended_at, f.rank))
+        return cls(failures=tuple(failures), total_workers=len(results), hostname=hostname,
+                   title=title, restart_count=restart_count)
+
+    @classmethod
+    def collect(cls, results: Iterable[WorkerOutcome], **kwargs: Any) -> FailureReport:
+        """``build`` with this host's name and clock offset (the one impure entry point)."""
+        kwargs.setdefault("hostname", socket.gethostname())
+        kwargs.setdefault("wall_offset", time.time() - time.monotonic())
+        return cls.build(results, **kwargs)
+
+    def headline(self) -> str:
+        """One line: ``worker group failed: 2 of 4 workers; first: rank 1's SIGSEGV (signal 11)``."""
+        root = self.root_cause
+        if root is None:
+            return f"{self.title}: no worker failed"
+        return (f"{self.title}: {len(self.failures)} of {self.total_workers} workers; "
+                f"first: {root.cause()}")
+
+    def render(self) -> str:
+        return render_report(self)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "title": self.title, "hostname": self.hostname,
+            "total_workers": self.total_workers, "restart_count": self.restart_count,
+            "notes": list(self.notes), "failures": [f.to_json() for f in self.failures],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FailureReport:
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise ValueError(f"not an elastictk failure report (expected schema {SCHEMA!r})")
+        return cls(
+            failures=tuple(ProcessFailure.from_json(f) for f in d.get("failures", [])),
+            total_workers=int(d.get("total_workers", 0)), hostname=str(d.get("hostname", "")),
+            title=str(d.get("title", "worker group failed")),
+            restart_count=d.get("restart_count"), notes=tuple(d.get("notes") or ()),
+        )
+
+
+def _when(f: ProcessFailure) -> str:
+    stamp = ""
+    if f.ended_wall is not None:
+        stamp = datetime.fromtimestamp(f.ended_wall).astimezone().isoformat(sep=" ", timespec="seconds")
+        stamp = f" at {stamp}"
+    return f"{stamp}, {f.duration_s:.1f}s after start"
+
+
+def _error_file_line(f: ProcessFailure) -> str:
+    if not f.error_file:
+        return "not set for this worker"
+    if f.error is not None:
+        return f.error_file
+    if f.error_file_problem:
+        return f"{f.error_file_problem}; showing stderr instead"
+    if signal_number(f.exitcode, f.signal) is not None:
+        return f"none written to {f.error_file} (killed by a signal before Python could record)"
+    return (f"none written to {f.error_file} (decorate the entry point with @elastictk.record "
+            "to get its traceback here)")
+
+
+def _block(lines: Iterable[str], prefix: str = "    ") -> list[str]:
+    return [f"{prefix}{line}".rstrip() for line in lines]
+
+
+def _describe(f: ProcessFailure, root: bool) -> list[str]:
+    out = [
+        f"  rank       : {f.rank} (local_rank {f.local_rank}), pid {f.pid}, host {f.hostname}",
+        f"  exited     : {f.exit_description}{_when(f)}",
+        f"  error file : {_error_file_line(f)}",
+    ]
+    if f.error is not None:
+        out.append(f"  exception  : {f.error.message}")
+        if root and f.error.traceback:
+            out.append("  traceback  :")
+            out += _block(f.error.traceback.rstrip("\n").splitlines())
+    if root and (f.error is None or not f.error.traceback):
+        if f.stderr_tail:
+            out.append(f"  stderr     : last {len(f.stderr_tail)} lines of {f.stderr_path}")
+            out += _block(f.stderr_tail, "    | ")
+        elif f.stderr_problem:
+            out.append(f"  stderr     : {f.stderr_problem}")
+        else:
+            out.append(f"  stderr     : {f.stderr_path} is empty")
+    return out
+
+
+def render_report(report: FailureReport) -> str:
+    """A readable multi-line block: the root cause in full, the others one line each."""
+    lines = [f"=== {report.headline()} ==="]
+    if report.restart_count is not None:
+        lines.append(f"attempt with TORCHELASTIC_RESTART_COUNT={report.restart_count}")
+    root = report.root_cause
+    if root is not None:
+        lines.append("Root cause (first observed failure):")
+        lines += _describe(root, root=True)
+        if len(report.failures) > 1:
+            lines.append("Other failures, in the order observed:")
+            for f in report.failures[1:]:
+                later = f.ended_at - root.ended_at
+                what = f.error.message if f.error is not None else f.exit_description
+                tag = ", stopped by the supervisor" if f.stopped_by_supervisor else ""
+                lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): "
+                             f"{what}, {later:+.2f}s{tag}")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+class WorkerGroupFailed(RuntimeError):
+    """Raised by a launcher whose workers failed; carries the report.
+
+    Under ``@elastictk.record`` its ``error_file_payload`` sends the root cause's own error file
+    upward (with ``errorCode`` set, as torch's ``ChildFailedError`` does) so a scheduler above a
+    nested launcher sees the worker's traceback, not the launcher's.
+    """
+
+    def __init__(self, report: FailureReport) -> None:
+        self.report = report
+        super().__init__(report.render())
+
+    def error_file_payload(self) -> dict[str, Any]:
+        root = self.report.root_cause
+        if root is None:
+            raise ValueError("no failure to report")
+        if root.error is not None and isinstance(root.error.raw.get("message"), dict):
+            message = dict(root.error.raw["message"])
+            message["errorCode"] = root.error_code
+            return {**root.error.raw, "message": message}
+        stamp = int(root.ended_wall if root.ended_wall is not None else time.time())
+        detail = "\n".join(root.stderr_tail) or root.exit_description
+        return {"message": {
+            "message": f"{root.cause()} (pid {root.pid}, host {root.hostname})",
+            "extraInfo": {"py_callstack": detail, "timestamp": str(stamp)},
+            "errorCode": root.error_code,
+        }}

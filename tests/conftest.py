@@ -58,3 +58,21 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     problems += [f"leaked shared memory /dev/shm/{n}" for n in sorted(new_shm)]
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+from elastictk.store.etcd_server import EtcdNotInstalled, EtcdServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the whole session (skipped, with the install hint, when etcd is missing).
+
+    Tests share it safely by using a fresh key prefix each; a test that stops or restarts etcd
+    starts its own EtcdServer instead.
+    """
+    try:
+        server = EtcdServer(base_dir=tmp_path_factory.mktemp("etcd"))
+    except EtcdNotInstalled as e:
+        pytest.skip(str(e))
+    with server:
+        yield server

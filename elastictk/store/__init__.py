@@ -9,13 +9,15 @@ from .base import (
     StoreUnreachable,
 )
 from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_in_use
+from .etcd import EtcdStore
+from .etcd_server import EtcdServer
 from .file import FileStore
 from .prefix import PrefixStore
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "FileStore", "PrefixStore",
-    "Store", "StoreClosed", "StoreError", "StoreTimeout", "StoreUnreachable", "TCPStore",
-    "free_port", "parse_endpoint", "port_in_use",
+    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "EtcdServer", "EtcdStore",
+    "FileStore", "PrefixStore", "Store", "StoreClosed", "StoreError", "StoreTimeout",
+    "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use",
 ]
 
 

@@ -10,6 +10,8 @@ import pytest
 
 # Python's own multiprocessing helper lives for the whole session by design.
 _EXEMPT = ("multiprocessing.resource_tracker",)
+# Servers owned by session-scoped fixtures (reaped at session end, not per test).
+SESSION_PIDS: set[int] = set()
 
 
 def _children() -> dict[int, str]:
@@ -19,7 +21,7 @@ def _children() -> dict[int, str]:
             cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
-        if not any(e in cmd for e in _EXEMPT):
+        if p.pid not in SESSION_PIDS and not any(e in cmd for e in _EXEMPT):
             out[p.pid] = cmd
     return out
 
@@ -75,4 +77,6 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
     except EtcdNotInstalled as e:
         pytest.skip(str(e))
     with server:
+        if server.pid is not None:
+            SESSION_PIDS.add(server.pid)
         yield server

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -17,7 +19,7 @@ from elastictk.rendezvous import (
     MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousHandler,
     RendezvousStateError, RendezvousTimeout, RoundInfo,
 )
-from elastictk.store import Store, TCPStore
+from elastictk.store import EtcdStore, FileStore, Store, TCPStore
 
 
 def fast(job: str, lo: int, hi: int, **kw: float) -> RendezvousConfig:
@@ -33,8 +35,28 @@ def server() -> Iterator[TCPStore]:
     s.close()
 
 
-def connect(server: TCPStore) -> Store:
-    return TCPStore.connect(f"127.0.0.1:{server.port}", timeout=20)
+@pytest.fixture(params=["tcp", "file", "etcd"])
+def connect(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[object], Store]]:
+    """A factory of independent connections to one store of each backend (one per node)."""
+    opened: list[Store] = []
+    if request.param == "tcp":
+        srv = request.getfixturevalue("server")
+        make: Callable[[], Store] = lambda: TCPStore.connect(f"127.0.0.1:{srv.port}", timeout=20)
+    elif request.param == "file":
+        make = lambda: FileStore(tmp_path / "store", timeout=20)
+    else:
+        etcd = request.getfixturevalue("etcd_server")
+        prefix = f"/rdzv-test-{uuid.uuid4().hex}/"
+        make = lambda: EtcdStore(etcd.endpoint, prefix=prefix, timeout=20)
+
+    def factory(_unused: object = None) -> Store:
+        store = make()
+        opened.append(store)
+        return store
+
+    yield factory
+    for st in opened:
+        st.close()
 
 
 def join_all(handlers: list[RendezvousHandler]) -> dict[str, RoundInfo | BaseException]:
@@ -61,8 +83,8 @@ def infos(out: dict[str, RoundInfo | BaseException]) -> dict[str, RoundInfo]:
     return out  # type: ignore[return-value]
 
 
-def test_all_nodes_agree_on_one_membership(server: TCPStore) -> None:
-    hs = [RendezvousHandler(connect(server), fast("agree", 5, 5), node_id=f"n{i}", meta={"i": i}) for i in range(5)]
+def test_all_nodes_agree_on_one_membership(connect: Callable[[object], Store]) -> None:
+    hs = [RendezvousHandler(connect(), fast("agree", 5, 5), node_id=f"n{i}", meta={"i": i}) for i in range(5)]
     try:
         got = infos(join_all(hs))
         views = {tuple((m.node_id, m.rank) for m in i.members) for i in got.values()}
@@ -78,10 +100,10 @@ def test_all_nodes_agree_on_one_membership(server: TCPStore) -> None:
             h.close()
 
 
-def test_last_call_then_scale_up_keeps_ranks(server: TCPStore) -> None:
+def test_last_call_then_scale_up_keeps_ranks(connect: Callable[[object], Store]) -> None:
     cfg = fast("scale", 2, 3, last_call=0.3)
-    a, b = (RendezvousHandler(connect(server), cfg, node_id=n) for n in ("a", "b"))
-    c = RendezvousHandler(connect(server), cfg, node_id="c")
+    a, b = (RendezvousHandler(connect(), cfg, node_id=n) for n in ("a", "b"))
+    c = RendezvousHandler(connect(), cfg, node_id="c")
     try:
         first = infos(join_all([a, b]))
         assert {i.world_size for i in first.values()} == {2}
@@ -104,8 +126,8 @@ def test_last_call_then_scale_up_keeps_ranks(server: TCPStore) -> None:
             h.close()
 
 
-def test_join_timeout_is_one_clear_line(server: TCPStore) -> None:
-    h = RendezvousHandler(connect(server), fast("lonely", 2, 2, join_timeout=0.8), node_id="solo")
+def test_join_timeout_is_one_clear_line(connect: Callable[[object], Store]) -> None:
+    h = RendezvousHandler(connect(), fast("lonely", 2, 2, join_timeout=0.8), node_id="solo")
     try:
         start = time.monotonic()
         with pytest.raises(RendezvousTimeout) as e:
@@ -116,10 +138,10 @@ def test_join_timeout_is_one_clear_line(server: TCPStore) -> None:
         h.close()
 
 
-def test_shutdown_tells_waiters_and_late_joiners(server: TCPStore) -> None:
+def test_shutdown_tells_waiters_and_late_joiners(connect: Callable[[object], Store]) -> None:
     cfg = fast("done", 2, 2)
-    waiter = RendezvousHandler(connect(server), cfg, node_id="w")
-    boss = RendezvousHandler(connect(server), cfg, node_id="boss")
+    waiter = RendezvousHandler(connect(), cfg, node_id="w")
+    boss = RendezvousHandler(connect(), cfg, node_id="boss")
     try:
         out: dict[str, RoundInfo | BaseException] = {}
         t = threading.Thread(target=lambda: out.update(join_all([waiter])))
@@ -128,7 +150,7 @@ def test_shutdown_tells_waiters_and_late_joiners(server: TCPStore) -> None:
         boss.shutdown("finished ok")
         t.join(10)
         assert isinstance(out["w"], RendezvousClosed) and "finished ok" in str(out["w"])
-        late = RendezvousHandler(connect(server), cfg, node_id="late")
+        late = RendezvousHandler(connect(), cfg, node_id="late")
         start = time.monotonic()
         with pytest.raises(RendezvousClosed, match="has finished"):
             late.next_round()
@@ -139,9 +161,9 @@ def test_shutdown_tells_waiters_and_late_joiners(server: TCPStore) -> None:
         boss.close()
 
 
-def test_leaving_node_is_seen_at_once(server: TCPStore) -> None:
+def test_leaving_node_is_seen_at_once(connect: Callable[[object], Store]) -> None:
     cfg = fast("leave", 2, 2, heartbeat_timeout=30.0)
-    a, b = (RendezvousHandler(connect(server), cfg, node_id=n) for n in ("a", "b"))
+    a, b = (RendezvousHandler(connect(), cfg, node_id=n) for n in ("a", "b"))
     try:
         got = infos(join_all([a, b]))
         watch = MembershipWatch(a, got["a"])
@@ -159,11 +181,11 @@ def test_leaving_node_is_seen_at_once(server: TCPStore) -> None:
     "garbage,match",
     [(b"\x80\x04pickle", "not JSON"), (b'{"schema": "torch.rdzv/9"}', "foreign"), (b'{"schema": "elastictk.rdzv/1", "round": 1}', "malformed")],
 )
-def test_garbage_in_the_store_names_the_key(server: TCPStore, garbage: bytes, match: str) -> None:
-    raw = connect(server)
+def test_garbage_in_the_store_names_the_key(connect: Callable[[object], Store], garbage: bytes, match: str) -> None:
+    raw = connect()
     raw.set("rdzv/bad/latest", b"1")
     raw.set("rdzv/bad/r/1/result", garbage)
-    h = RendezvousHandler(connect(server), fast("bad", 1, 1), node_id="x")
+    h = RendezvousHandler(connect(), fast("bad", 1, 1), node_id="x")
     try:
         with pytest.raises(RendezvousStateError, match=match) as e:
             h.next_round()

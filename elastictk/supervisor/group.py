@@ -1,0 +1,414 @@
+"""The local worker group: start N workers for an attempt, see each exit as it happens, stop all.
+
+An agent drives it as a loop::
+
+    group = WorkerGroup(spec, log_dir)
+    group.prepare()                              # optional: start helpers early
+    group.start(attempt, assignment)
+    while group.running:
+        for result in group.wait_any(timeout):   # returns the moment a worker exits
+            ...                                  # decide: keep waiting, or stop and restart
+    group.stop()                                 # SIGTERM trees, grace, SIGKILL, reap
+    group.close()
+
+``wait_any`` blocks in one ``select`` on every worker's exit fd (pidfd) and result pipe plus a
+wakeup pipe, so it returns on the first exit, on ``wake()`` (another thread or a signal handler
+wants the agent's attention) or on the timeout; it never sleeps in a polling loop.
+
+Ownership: the group owns its workers and their whole process trees (each worker leads its own
+session; the agent becomes a child subreaper so orphaned grandchildren come back to it), the
+death watch that kills those sessions if the agent is SIGKILLed, the log pump, and the preload
+fork server unless one was passed in. ``close()`` releases all of it.
+
+Threading: ``start``/``wait_any``/``stop``/``close`` belong to one thread, which must live as long
+as the workers (the kernel's parent-death signal fires when the *thread* that started a worker
+exits). ``wake`` and ``signal_all`` may be called from any thread or a signal handler.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from .deathwatch import DeathWatch
+from .env import Assignment, worker_env
+from .forkserver import DEFAULT_PRELOAD, PreloadServer
+from .logs import LogPump, RankLogs, claim_run_dir, make_attempt_dir, open_rank_logs
+from .process import (
+    WorkerProcess, acquire_mp_forkserver, release_mp_forkserver, start_multiprocessing,
+    start_preloaded, start_subprocess,
+)
+from .reaper import (
+    acquire_subreaper, reap_orphans, release_subreaper, signal_group, signal_procs, wait_gone,
+    worker_tree,
+)
+from .spec import WorkerResult, WorkerSpec, parse_python_argv
+
+# How long stop() waits for SIGKILLed processes and for tee pipes to drain; past this something
+# is stuck in the kernel (D state) and waiting longer would only hang the agent.
+_KILL_WAIT = 30.0
+_PUMP_DRAIN = 5.0
+
+
+class GroupStateError(RuntimeError):
+    """A call that does not fit the group's state (start while an attempt is open, ...)."""
+
+
+class WorkerGroup:
+    """Spawns, watches and stops the local workers of one role, one attempt at a time.
+
+    ``log_dir`` is the root of the per-run log tree (default: a new temp dir, kept). With
+    ``start_method="preload"`` the group starts and owns a fork server importing
+    ``preload_modules`` (default ``DEFAULT_PRELOAD``) unless ``preload_server`` is given, which
+    the caller then owns (one server can serve several groups). ``console`` are the fds tee'd
+    lines go to. ``subreaper``/``death_watch`` exist for tests of what happens without them.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        log_dir: Union[str, Path, None] = None,
+        *,
+        preload_server: Optional[PreloadServer] = None,
+        preload_modules: Optional[Sequence[str]] = None,
+        console: tuple[int, int] = (1, 2),
+        subreaper: bool = True,
+        death_watch: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.log_dir: Optional[Path] = Path(log_dir) if log_dir is not None else None
+        self._console = console
+        self._subreaper = subreaper
+        self._subreaper_held = False
+        self._watch = DeathWatch() if death_watch else None
+        self._server = preload_server
+        self._own_server = preload_server is None
+        self._preload_modules = preload_modules
+        self._mp_forkserver = False
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self._workers: dict[int, WorkerProcess] = {}
+        self._logs: dict[int, RankLogs] = {}
+        self._results: dict[int, WorkerResult] = {}
+        self._pump: Optional[LogPump] = None
+        self._assignment: Optional[Assignment] = None
+        self._run_id: Optional[str] = None
+        self.run_log_dir: Optional[Path] = None
+        self.attempt: Optional[int] = None
+        self.attempt_dir: Optional[Path] = None
+        self._open = False
+        self._stopping = False
+        self._closed = False
+        self._pending_wake = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Start the helpers now (death watch, preload server import) rather than at ``start``,
+        e.g. so the preload import overlaps rendezvous."""
+        self._check_not_closed()
+        if self._subreaper and not self._subreaper_held:
+            acquire_subreaper()
+            self._subreaper_held = True
+        if self._watch is not None:
+            self._watch.start()
+        if self.spec.start_method == "preload":
+            self._preload_server().start()
+
+    def start(self, attempt: int, assignment: Assignment) -> None:
+        """Start ``local_world_size`` workers for ``attempt`` (the log directory number).
+
+        ``assignment.restart_count`` is what the workers see as TORCHELASTIC_RESTART_COUNT; the
+        attempt number is separate so a re-rendezvous that does not consume a restart still gets
+        fresh log directories. Raises (after killing any worker it started) if a worker cannot
+        be started.
+        """
+        self._check_not_closed()
+        if self._open:
+            raise GroupStateError(f"attempt {self.attempt} is still open; call stop() before "
+                                  f"starting attempt {attempt}")
+        spec = self.spec
+        assignment.check(spec.local_world_size)
+        self.prepare()
+        if self.log_dir is None:
+            # Logs are the record of a failure: a default dir is created and deliberately kept.
+            self.log_dir = Path(tempfile.mkdtemp(prefix="elastictk_"))
+        if self.run_log_dir is None or assignment.run_id != self._run_id:
+            self.run_log_dir = claim_run_dir(self.log_dir, assignment.run_id)
+            self._run_id = assignment.run_id
+        self.attempt_dir = make_attempt_dir(self.run_log_dir, attempt)
+        self.attempt, self._assignment = attempt, assignment
+        self._workers, self._logs, self._results = {}, {}, {}
+        self._stopping = False
+        self._open = True
+        pump = self._pump = LogPump(*self._console)
+        base_env = dict(os.environ)
+        try:
+            envs = {}
+            for lr in range(spec.local_world_size):
+                self._logs[lr] = open_rank_logs(spec, self.attempt_dir, lr,
+                                                assignment.global_rank(lr), pump)
+                envs[lr] = worker_env(
+                    assignment, role=spec.role, local_rank=lr,
+                    local_world_size=spec.local_world_size,
+                    error_file=self._logs[lr].error_file, base_env=base_env, extra=spec.env)
+            pump.start()
+            for lr in range(spec.local_world_size):
+                w = self._workers[lr] = self._start_one(lr, envs[lr])
+                self._logs[lr].close_child_ends()
+                if self._watch is not None:
+                    self._watch.watch(w.pid)
+                self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
+                fd = w.result_fd()
+                if fd is not None:
+                    self._sel.register(fd, selectors.EVENT_READ, ("result", w))
+        except BaseException:
+            for logs in self._logs.values():
+                logs.close_child_ends()
+            self.stop(grace=0)
+            raise
+
+    def _start_one(self, local_rank: int, env: dict[str, str]) -> WorkerProcess:
+        spec, logs = self.spec, self._logs[local_rank]
+        method = spec.start_method
+        if method == "subprocess":
+            return start_subprocess(local_rank, spec.argv(local_rank), env, logs, spec.death_signal)
+        if method == "preload":
+            server = self._preload_server()
+            if spec.is_function:
+                return start_preloaded(local_rank, server, env, logs, spec.death_signal,
+                                       fn=spec.entrypoint,  # type: ignore[arg-type]
+                                       args=spec.rank_args(local_rank), sys_path=sys.path)
+            target = parse_python_argv(spec.argv(local_rank))
+            return start_preloaded(local_rank, server, env, logs, spec.death_signal, target=target)
+        import torch.multiprocessing as tmp  # lazily: only function workers need torch here
+
+        if method == "forkserver" and not self._mp_forkserver:
+            acquire_mp_forkserver()
+            self._mp_forkserver = True
+        return start_multiprocessing(
+            local_rank, tmp.get_context(method), spec.entrypoint,  # type: ignore[arg-type]
+            spec.rank_args(local_rank), env, logs, spec.death_signal,
+            self._private_fds(exclude_rank=local_rank))
+
+    def _preload_server(self) -> PreloadServer:
+        if self._server is None:
+            modules = DEFAULT_PRELOAD if self._preload_modules is None else self._preload_modules
+            self._server = PreloadServer(preload=modules)
+        return self._server
+
+    def _private_fds(self, exclude_rank: int) -> list[int]:
+        """The agent's own fds, which a fork-started worker closes first (a sibling's tee pipe
+        held open by this worker would delay that sibling's EOF)."""
+        fds = [self._wake_r, self._wake_w, self._sel.fileno()]
+        for lr, logs in self._logs.items():
+            if lr != exclude_rank:
+                fds += logs.owned_fds()
+        if self._pump is not None:
+            fds += self._pump.fds()
+        if self._watch is not None and self._watch.fileno() is not None:
+            fds.append(self._watch.fileno())  # type: ignore[arg-type]
+        if self._server is not None and self._server.fileno() is not None:
+            fds.append(self._server.fileno())  # type: ignore[arg-type]
+        for w in self._workers.values():
+            fds += w.private_fds()
+        return fds
+
+    # -- watching --------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list[int]:
+        """Local ranks whose exit has not been observed yet."""
+        return [lr for lr, w in self._workers.items() if lr not in self._results]
+
+    @property
+    def results(self) -> dict[int, WorkerResult]:
+        """Results of the workers of the current attempt that have exited, by local rank."""
+        return dict(self._results)
+
+    def pids(self) -> dict[int, int]:
+        return {lr: w.pid for lr, w in self._workers.items()}
+
+    def wake(self) -> None:
+        """Make a blocked ``wait_any`` return now. Safe from any thread or signal handler."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait_any(self, timeout: Optional[float] = None) -> list[WorkerResult]:
+        """Block until at least one worker exits, ``wake()`` is called, or ``timeout`` passes.
+
+        Returns the results of workers whose exit was observed in this call (possibly several,
+        possibly none on wake-up or timeout). Returns at once when nothing is running.
+        """
+        if self._pending_wake:  # a wake() that arrived during wait() or stop()
+            self._pending_wake = False
+            return []
+        return self._dispatch(None if timeout is None else time.monotonic() + timeout,
+                              stop_on_first=True)
+
+    def wait(self, timeout: Optional[float] = None) -> dict[int, WorkerResult]:
+        """Block until every worker has exited (or ``timeout``); all results so far."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.running and (deadline is None or time.monotonic() < deadline):
+            self._dispatch(deadline, stop_on_first=False, ignore_wake=True)
+        return self.results
+
+    def _dispatch(self, deadline: Optional[float], *, stop_on_first: bool,
+                  ignore_wake: bool = False) -> list[WorkerResult]:
+        new: list[WorkerResult] = []
+        while self.running:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            woke = False
+            for key, _ in self._sel.select(remaining):
+                kind, w = key.data
+                if kind == "wake":
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    woke = not ignore_wake
+                    self._pending_wake = self._pending_wake or ignore_wake
+                elif w.local_rank in self._results:
+                    continue  # finished earlier in this batch; its fds are unregistered
+                elif kind == "result":
+                    if w.take_result():
+                        self._sel.unregister(key.fd)
+                elif w.poll() is not None:
+                    new.append(self._finish(w))
+            if new and stop_on_first or woke:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return new
+
+    def _finish(self, w: WorkerProcess) -> WorkerResult:
+        for fd in (w.exit_fd(), w.result_fd()):
+            if fd is not None and fd >= 0:
+                try:
+                    self._sel.unregister(fd)
+                except KeyError:
+                    pass
+        w.close()
+        assert self._assignment is not None and self.attempt is not None
+        logs = self._logs[w.local_rank]
+        a = self._assignment
+        result = WorkerResult(
+            local_rank=w.local_rank, rank=a.global_rank(w.local_rank),
+            role_rank=a.role_rank(w.local_rank), role=self.spec.role, attempt=self.attempt,
+            pid=w.pid, exitcode=int(w.returncode),  # type: ignore[arg-type]
+            started_at=w.started_at, ended_at=w.ended_at or time.monotonic(),
+            stdout_path=logs.stdout_path, stderr_path=logs.stderr_path,
+            error_file=logs.error_file, return_value=w.return_value, stopped=self._stopping,
+        )
+        self._results[w.local_rank] = result
+        return result
+
+    # -- signalling and stopping -----------------------------------------------------------
+
+    def signal_all(self, sig: int) -> None:
+        """Forward ``sig`` to every running worker's process group (what a terminal would do);
+        for the agent's SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 handlers."""
+        for lr, w in list(self._workers.items()):
+            if lr not in self._results and not signal_group(w.pid, sig):
+                w.signal(sig)  # not yet its own group leader (a function worker starting up)
+
+    def _signal_trees(self, sig: int, sessions: Sequence[int]) -> list[Any]:
+        live = [w for lr, w in self._workers.items() if lr not in self._results]
+        tree = worker_tree([w.pid for w in live], sessions)
+        grouped = {sid for sid in sessions if signal_group(sid, sig)}
+        for w in live:
+            if w.pid not in grouped:
+                w.signal(sig)
+        others = []
+        for p in tree.values():
+            try:
+                if os.getpgid(p.pid) in grouped:
+                    continue
+            except OSError:
+                continue
+            others.append(p)
+        signal_procs(others, sig)
+        return list(tree.values())
+
+    def stop(self, grace: Optional[float] = None, sig: int = signal.SIGTERM) -> dict[int, WorkerResult]:
+        """Stop the attempt: ``sig`` to every worker's whole tree, up to ``grace`` seconds
+        (default: the spec's) for them to exit, then SIGKILL to whatever is left. Returns when
+        every worker and every descendant found is gone and reaped; all results by local rank.
+        """
+        if not self._open:
+            return self.results
+        grace = self.spec.grace_period if grace is None else grace
+        self._stopping = True
+        sessions = [w.pid for w in self._workers.values()]
+        deadline = time.monotonic() + grace
+        if grace > 0:
+            tree = self._signal_trees(sig, sessions)
+            self._dispatch(deadline, stop_on_first=False, ignore_wake=True)
+            wait_gone(tree, max(0.0, deadline - time.monotonic()))
+        self._signal_trees(signal.SIGKILL, sessions)
+        self._dispatch(time.monotonic() + _KILL_WAIT, stop_on_first=False, ignore_wake=True)
+        # A last sweep: descendants orphaned while we were killing their parents.
+        leftovers = self._signal_trees(signal.SIGKILL, sessions)
+        wait_gone(leftovers, _KILL_WAIT)
+        reap_orphans(sessions, skip=sessions)  # workers are reaped by their own objects
+        stuck = self.running
+        if stuck:  # only a process in uninterruptible sleep survives SIGKILL this long
+            print(f"elastictk: local ranks {stuck} did not exit {_KILL_WAIT:.0f}s after SIGKILL "
+                  "(uninterruptible sleep?); giving up on them", file=sys.stderr)
+            for lr in stuck:
+                w = self._workers[lr]
+                for fd in (w.exit_fd(), w.result_fd()):
+                    if fd is not None and fd >= 0 and fd in self._sel.get_map():
+                        self._sel.unregister(fd)
+        if self._pump is not None:
+            self._pump.close(_PUMP_DRAIN)
+            self._pump = None
+        if self._watch is not None:
+            for sid in sessions:
+                self._watch.unwatch(sid)
+        for w in self._workers.values():
+            w.close()
+        self._open = False
+        return self.results
+
+    def close(self) -> None:
+        """Stop any open attempt and release every helper. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._open:
+                self.stop()
+        finally:
+            self._closed = True
+            if self._watch is not None:
+                self._watch.close()
+            if self._server is not None and self._own_server:
+                self._server.close()
+            if self._mp_forkserver:
+                release_mp_forkserver()
+                self._mp_forkserver = False
+            if self._subreaper_held:
+                release_subreaper()
+                self._subreaper_held = False
+            self._sel.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise GroupStateError("the worker group is closed; create a new one")
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

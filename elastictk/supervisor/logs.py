@@ -1,0 +1,239 @@
+"""Per-attempt, per-rank log files, and the tee that copies them to the console with a prefix.
+
+Layout (torchrun's): ``<log_dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log`` and the
+rank's ``error.json`` beside them. Unlike torchrun, nothing is ever deleted or overwritten:
+
+- an attempt directory is created with ``mkdir`` (no ``exist_ok``); starting an attempt number a
+  second time is refused, so a re-rendezvous that keeps the restart count cannot wipe the logs
+  of the attempt that failed;
+- a run directory left by an earlier run with the same run id is never reused: the group claims
+  ``<run_id>``, else ``<run_id>.1``, ``<run_id>.2`` ... with an atomic ``mkdir`` (two agents
+  sharing a log dir cannot claim the same one) and reports the one it got.
+
+Redirected streams are written by the worker itself (its fd 1/2 is the file). Tee'd streams go
+through a pipe to one pump thread per attempt that appends each chunk to the file and each line,
+prefixed ``[role<local_rank>]:``, to the agent's console, as it arrives (no file tailing).
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Optional
+
+from .spec import Std, WorkerSpec, std_for
+
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+
+
+class LogDirError(RuntimeError):
+    """A log directory that cannot be used; the message names the path and the fix."""
+
+
+def claim_run_dir(log_dir: Path, run_id: str) -> Path:
+    """Create and return a run directory for ``run_id`` that no earlier run has used."""
+    if not run_id or "/" in run_id or run_id in (".", "..") or "\0" in run_id:
+        raise LogDirError(f"run id {run_id!r} cannot name a directory; use letters, digits, '-', '_'")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LogDirError(f"cannot create log dir {log_dir}: {e.strerror}; pass a writable --log-dir") from None
+    for n in range(10_000):
+        candidate = log_dir / (run_id if n == 0 else f"{run_id}.{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise LogDirError(f"cannot create {candidate}: {e.strerror}; pass a writable --log-dir") from None
+    raise LogDirError(f"{log_dir} already holds 10000 runs named {run_id!r}; pass a fresh run id")
+
+
+def make_attempt_dir(run_dir: Path, attempt: int) -> Path:
+    """``<run_dir>/attempt_<attempt>``, which must not exist yet."""
+    path = run_dir / f"attempt_{attempt}"
+    try:
+        path.mkdir()
+    except FileExistsError:
+        raise LogDirError(
+            f"{path} already exists: attempt {attempt} was started before; number attempts upward"
+        ) from None
+    return path
+
+
+def line_prefix(spec: WorkerSpec, local_rank: int, rank: int) -> str:
+    """``[default0]:`` (torchrun's tee header) or the spec's template filled in."""
+    if spec.log_line_prefix_template is None:
+        return f"[{spec.role}{local_rank}]:"
+    return Template(spec.log_line_prefix_template).safe_substitute(
+        role_name=spec.role, rank=rank, local_rank=local_rank)
+
+
+@dataclass
+class RankLogs:
+    """Where one rank's streams go. ``child_*`` are fds for the worker's 1/2 (None: the console)."""
+
+    local_rank: int
+    dir: Path
+    stdout_path: Optional[str]
+    stderr_path: Optional[str]
+    error_file: str
+    child_stdout: Optional[int] = None
+    child_stderr: Optional[int] = None
+    _owned: list[int] = field(default_factory=list)
+
+    def owned_fds(self) -> list[int]:
+        return list(self._owned)
+
+    def close_child_ends(self) -> None:
+        """Close the agent's copies of the worker's fds once the worker holds its own."""
+        for fd in self._owned:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._owned.clear()
+
+
+class LogPump:
+    """One thread that copies tee pipes to their files and, prefixed by line, to the console."""
+
+    def __init__(self, console_out: int = 1, console_err: int = 2) -> None:
+        self._console = {Std.OUT: console_out, Std.ERR: console_err}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread: Optional[threading.Thread] = None
+        self._quit = False
+
+    def add(self, stream: Std, path: str, prefix: Optional[str]) -> int:
+        """A pipe whose data goes to ``path`` and (when ``prefix`` is set) the console;
+        returns the write end for the worker. Register before ``start``."""
+        file_fd = os.open(path, _FILE_FLAGS, 0o644)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        self._sel.register(r, selectors.EVENT_READ, _Source(file_fd, self._console[stream], prefix))
+        return w
+
+    def fds(self) -> list[int]:
+        return [k.fd for k in self._sel.get_map().values()] + [self._wake_w]
+
+    @property
+    def active(self) -> bool:
+        return len(self._sel.get_map()) > 1
+
+    def start(self) -> None:
+        if self.active and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="elastictk-log-pump", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while len(self._sel.get_map()) > 1 and not self._quit:
+            for key, _ in self._sel.select():
+                if key.data is None:
+                    self._quit = True
+                    break
+                self._pump(key.fd, key.data)
+        if self._quit:  # copy what is already buffered, without waiting for writers
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    os.set_blocking(key.fd, False)
+                    try:
+                        while self._pump(key.fd, key.data):
+                            pass
+                    except BlockingIOError:
+                        self._finish(key.fd, key.data)
+
+    def _pump(self, fd: int, src: "_Source") -> bool:
+        data = os.read(fd, 65536)
+        if not data:
+            self._finish(fd, src)
+            return False
+        _write_all(src.file_fd, data, quiet=True)  # a full disk must not stall the workers
+        if src.prefix is not None:
+            src.partial += data
+            lines = src.partial.split(b"\n")
+            src.partial = lines.pop()
+            if lines:
+                head = src.prefix.encode()
+                _write_all(src.console_fd, b"".join(head + ln + b"\n" for ln in lines), quiet=True)
+        return True
+
+    def _finish(self, fd: int, src: "_Source") -> None:
+        if src.prefix is not None and src.partial:
+            _write_all(src.console_fd, src.prefix.encode() + src.partial + b"\n", quiet=True)
+        self._sel.unregister(fd)
+        os.close(fd)
+        os.close(src.file_fd)
+
+    def close(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for every writer to close its end (EOF), then stop.
+        False if some writer (an escaped process) still held a pipe; its buffered data is kept."""
+        clean = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                clean = False
+                os.write(self._wake_w, b"x")
+                self._thread.join()
+            self._thread = None
+        for key in list(self._sel.get_map().values()):
+            if key.data is not None:
+                self._finish(key.fd, key.data)
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        return clean
+
+
+@dataclass
+class _Source:
+    file_fd: int
+    console_fd: int
+    prefix: Optional[str]
+    partial: bytes = b""
+
+
+def _write_all(fd: int, data: bytes, quiet: bool = False) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        if not quiet:
+            raise
+
+
+def open_rank_logs(
+    spec: WorkerSpec, attempt_dir: Path, local_rank: int, rank: int, pump: LogPump
+) -> RankLogs:
+    """Create the rank's directory and the fds its worker writes to (files or tee pipes).
+
+    Per stream, as torchrun decides it: redirected or tee'd → ``<stream>.log``; tee'd and in
+    ``local_ranks_filter`` (or no filter) → also the console, prefixed; neither redirected nor
+    tee'd → the console as is, or ``/dev/null`` for a rank outside the filter.
+    """
+    rank_dir = attempt_dir / str(local_rank)
+    rank_dir.mkdir()
+    logs = RankLogs(local_rank, rank_dir, None, None, str(rank_dir / "error.json"))
+    redirect, tee = std_for(spec.redirects, local_rank), std_for(spec.tee, local_rank)
+    shown = not spec.local_ranks_filter or local_rank in spec.local_ranks_filter
+    prefix = line_prefix(spec, local_rank, rank)
+    for stream, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+        fd: Optional[int] = None
+        if (redirect | tee) & stream:
+            path = str(rank_dir / f"{name}.log")
+            setattr(logs, f"{name}_path", path)
+            if tee & stream and shown:
+                fd = pump.add(stream, path, prefix)
+            else:
+                fd = os.open(path, _FILE_FLAGS, 0o644)
+        elif not shown:
+            fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        if fd is not None:
+            logs._owned.append(fd)
+        setattr(logs, f"child_{name}", fd)
+    return logs

@@ -20,5 +20,5 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80", "pytest-timeout>=2.1"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["elastictk-run = elastictk.run:console_main"]},
 )

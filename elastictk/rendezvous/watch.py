@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..store import StoreError, StoreTimeout
 from .liveness import LivenessTracker, read_counters
@@ -22,8 +22,15 @@ if TYPE_CHECKING:
 class MembershipWatch:
     """Sets :attr:`changed` (a ``threading.Event``) with a one-line :attr:`reason`."""
 
-    def __init__(self, handler: "RendezvousHandler", info: "RoundInfo", successors: int = 2) -> None:
+    def __init__(
+        self,
+        handler: "RendezvousHandler",
+        info: "RoundInfo",
+        successors: int = 2,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.info = info
+        self._on_change = on_change
         self.reason: str | None = None
         self.lost: list[str] = []
         self.store_error: StoreError | None = None
@@ -41,6 +48,8 @@ class MembershipWatch:
     def _signal(self, reason: str) -> None:
         self.reason = reason
         self.changed.set()
+        if self._on_change is not None:
+            self._on_change()
 
     def _run(self) -> None:
         cfg = self._handler.config

@@ -1,0 +1,99 @@
+"""``elastictk-run`` (and ``python -m elastictk.run``): torchrun's command line on elastictk's parts.
+
+``main(argv)`` parses torchrun's flags into a :class:`LaunchConfig`, opens (or hosts) the
+rendezvous store, and runs one :class:`ElasticAgent` for this node. Exit codes: 0 when the job
+finished (also when this node arrived after it finished), 1 when it failed (the root cause is
+printed), 2 for bad input, 128+N when the agent was stopped by signal N.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Sequence
+
+from .cli import LaunchConfig, parse_or_exit
+from .cli.args import PROG
+
+log = logging.getLogger("elastictk.run")
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("elastictk")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(f"[{PROG}] %(message)s"))
+        root.addHandler(h)
+    root.setLevel(os.environ.get("ELASTICTK_LOG_LEVEL", "INFO").upper())
+
+
+def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
+    """The store and the agent for ``config``; split from :func:`main` for custom launchers."""
+    from .rendezvous import RendezvousConfig
+    from .rendezvous.backends import open_store
+    from .supervisor.agent import AgentConfig, ElasticAgent
+    from .supervisor.policy import Backoff, RestartPolicy
+    from .supervisor.spec import WorkerSpec
+
+    conf = config.rdzv_conf
+    endpoint = config.rdzv_path if config.rdzv_backend == "file" else str(config.rdzv_endpoint)
+    handle = open_store(
+        config.rdzv_backend, endpoint or "", is_host=True if config.standalone else config.is_host,
+        timeout=float(conf.get("read_timeout", conf.get("timeout", 60.0))), node_rank=config.node_rank,
+    )
+    hb = float(conf.get("heartbeat_interval", 1.0))
+    rdzv = RendezvousConfig(
+        job_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+        last_call=float(conf.get("last_call_timeout", 30.0)),
+        join_timeout=float(conf.get("join_timeout", 600.0)),
+        heartbeat_interval=hb, heartbeat_timeout=float(conf.get("heartbeat_timeout", max(10.0, hb * 3))),
+    )
+    backoff = Backoff(initial=config.restart_backoff) if config.restart_backoff > 0 else None
+    policy = RestartPolicy(max_restarts=config.max_restarts, intensity=config.restart_intensity, backoff=backoff)
+    method = "preload" if config.start_method == "preload" else "subprocess"
+    spec = WorkerSpec(
+        entrypoint=config.entrypoint, local_world_size=config.nproc_per_node, role=config.role,
+        start_method=method, redirects=config.redirects, tee=config.tee,
+        local_ranks_filter=config.local_ranks_filter, grace_period=config.grace_period,
+        log_line_prefix_template=config.log_line_prefix_template,
+    )
+    agent_cfg = AgentConfig(
+        spec=spec, rdzv=rdzv, policy=policy, max_restarts=config.max_restarts,
+        log_dir=config.log_dir, local_addr=config.local_addr,
+    )
+    return ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint), handle
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one node of a job; returns the exit code (the console script exits with it)."""
+    config = parse_or_exit(list(sys.argv[1:] if argv is None else argv))
+    _setup_logging()
+    from .store import StoreError
+
+    try:
+        agent, handle = build_agent(config)
+    except StoreError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        result = agent.run()
+    finally:
+        handle.close()
+    if result.report is not None:
+        print(result.report.render(), file=sys.stderr)
+    level = logging.INFO if result.exit_code == 0 else logging.ERROR
+    log.log(level, "%s (exit %d): %s", result.state, result.exit_code, result.message)
+    return result.exit_code
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .rendezvous.backends import StoreHandle
+    from .supervisor.agent import ElasticAgent
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,293 @@
+"""The elastic agent: rendezvous, start workers, watch, and on any change restart as one job.
+
+One agent runs per node. Its loop is the whole of torchrun's elastic behaviour, built from the
+primitives: a :class:`RendezvousHandler` for membership, a :class:`WorkerGroup` for the local
+processes, a :class:`RestartPolicy` for the budget, and a :class:`RoundCoordinator` for what
+the nodes must agree on (who failed first, what the job does next, when everyone is done).
+Everything the loop waits for wakes it as it happens: a worker's exit (pidfd), a peer's
+failure (a store key), a membership change (the next round's arrival), a signal.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousHandler, RoundInfo
+from ..store import Store, free_port
+from .coordination import Decision, RoundCoordinator, restart_count
+from .env import Assignment, assign_ranks
+from .group import WorkerGroup
+from .policy import RestartPolicy
+from .report import FailureReport
+from .spec import WorkerResult, WorkerSpec
+
+log = logging.getLogger("elastictk.agent")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+Event = Callable[..., None]
+
+
+@dataclass
+class AgentConfig:
+    """Everything one node's agent needs; ``elastictk-run`` builds it from torchrun's flags."""
+
+    spec: WorkerSpec
+    rdzv: RendezvousConfig
+    policy: RestartPolicy = field(default_factory=lambda: RestartPolicy(max_restarts=0))
+    max_restarts: int = 0
+    log_dir: str | Path | None = None
+    node_id: str | None = None
+    local_addr: str | None = None
+    exit_barrier_timeout: float = 300.0
+    decision_timeout: float = 30.0
+    on_event: Event | None = None
+
+
+@dataclass
+class AgentResult:
+    """How the agent ended; ``exit_code`` is what a launcher should exit with."""
+
+    state: str  # succeeded | failed | finished-elsewhere | signalled
+    exit_code: int
+    message: str
+    report: FailureReport | None = None
+    return_values: dict[int, Any] = field(default_factory=dict)
+    restarts: int = 0
+    attempts: int = 0
+
+
+class _Outcome:
+    SUCCEEDED, LOCAL_FAILURE, PEER_FAILURE, MEMBERSHIP, SIGNAL = range(5)
+
+
+class ElasticAgent:
+    """Runs one node of a job until it succeeds, gives up, or is told to stop."""
+
+    def __init__(self, config: AgentConfig, store: Store, *, store_endpoint: str | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.node_id = config.node_id
+        self._store_endpoint = store_endpoint
+        self._signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self.group: WorkerGroup | None = None
+        self.handler: RendezvousHandler | None = None
+        self.current: RoundInfo | None = None
+        self.attempts = 0
+
+    # -- public -----------------------------------------------------------------------------
+    def run(self) -> AgentResult:
+        cfg = self.config
+        addr = cfg.local_addr or local_address(self._store_endpoint)
+        meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role}
+        self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
+        self.node_id = self.handler.node_id
+        self.group = WorkerGroup(cfg.spec, cfg.log_dir)
+        self._install_signals()
+        try:
+            self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
+            return self._loop(addr)
+        finally:
+            self._restore_signals()
+            self.group.close()
+            self.handler.close(leaving=True)
+
+    def pids(self) -> dict[int, int]:
+        """Local rank → PID of the running workers (for fault injection and tests)."""
+        return self.group.pids() if self.group else {}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self, addr: str) -> AgentResult:
+        assert self.handler is not None and self.group is not None
+        cfg, handler, group = self.config, self.handler, self.group
+        ran = False
+        while True:
+            if self._signal in TERMINATING:
+                return self._signalled()
+            try:
+                info = handler.next_round()
+            except RendezvousClosed as e:
+                if ran:
+                    return AgentResult("failed", 1, str(e), attempts=self.attempts)
+                self._emit("job_finished_elsewhere", message=str(e))
+                return AgentResult("finished-elsewhere", 0, f"{e}; exiting", attempts=self.attempts)
+            self.current = info
+            restarts = restart_count(handler.store)
+            assignment = self._assignment(info, restarts, addr)
+            self._emit("round_joined", round=info.round, rank=info.rank, world=info.world_size)
+            coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake)
+            watch = MembershipWatch(handler, info, on_change=group.wake)
+            try:
+                group.start(self.attempts, assignment)
+                self.attempts += 1
+                ran = True
+                self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids())
+                outcome, failed = self._monitor(coord, watch)
+            finally:
+                watch.stop()
+            coord.stop()
+            if outcome == _Outcome.SIGNAL:
+                return self._signalled()
+            if outcome == _Outcome.MEMBERSHIP:
+                self._emit("membership_changed", reason=watch.reason)
+                group.stop()
+                continue
+            if outcome == _Outcome.SUCCEEDED:
+                if coord.exit_barrier(info.world_size, cfg.exit_barrier_timeout):
+                    handler.shutdown("finished")
+                    results = group.results
+                    self._emit("job_finished", restarts=restarts)
+                    return AgentResult("succeeded", 0, "all workers finished",
+                                       return_values={lr: r.return_value for lr, r in results.items()},
+                                       restarts=restarts, attempts=self.attempts)
+                outcome = _Outcome.PEER_FAILURE  # a peer failed while we waited: restart with it
+            decision = self._after_failure(outcome, failed, coord, restarts)
+            if decision is None:
+                continue  # the node that failed first died before deciding: re-form without it
+            if decision.action == "give_up":
+                handler.shutdown(f"failed: {decision.reason}")
+                report = self._report(restarts) if outcome == _Outcome.LOCAL_FAILURE else None
+                self._emit("job_failed", reason=decision.reason)
+                note = coord.failure_note()
+                where = "" if note is None or note.node_id == handler.node_id else f" (first failure on node {note.node_id}: {note.headline})"
+                return AgentResult("failed", 1, decision.reason + where, report=report,
+                                   restarts=restarts, attempts=self.attempts)
+            self._emit("restart", restart_count=decision.restart_count, delay_s=decision.delay_s, reason=decision.reason)
+            if decision.delay_s > 0:
+                time.sleep(decision.delay_s)
+
+    def _monitor(self, coord: RoundCoordinator, watch: MembershipWatch) -> tuple[int, list[WorkerResult]]:
+        """Block until something needs the loop's attention; all wake-ups are events."""
+        assert self.group is not None
+        group = self.group
+        while True:
+            exited = group.wait_any(timeout=5.0)
+            failed = [r for r in exited if r.failed]
+            if failed:
+                return _Outcome.LOCAL_FAILURE, failed
+            if self._signal is not None:
+                if self._signal in TERMINATING:
+                    return _Outcome.SIGNAL, []
+                group.signal_all(self._signal)
+                self._signal = None
+                continue
+            if coord.failed.is_set():
+                return _Outcome.PEER_FAILURE, []
+            if watch.changed.is_set():
+                return _Outcome.MEMBERSHIP, []
+            if not group.running:
+                return _Outcome.SUCCEEDED, []
+
+    def _after_failure(self, outcome: int, failed: list[WorkerResult], coord: RoundCoordinator,
+                       restarts: int) -> Decision | None:
+        assert self.group is not None
+        if outcome == _Outcome.LOCAL_FAILURE:
+            first = min(failed, key=lambda r: r.ended_at)
+            won = coord.report_failure(f"node {self.node_id}: {first.describe()}")
+            self._emit("worker_failed", rank=first.rank, local_rank=first.local_rank,
+                       exitcode=first.exitcode, signal=first.signal_name, won=won)
+            self.group.stop()
+            if won:
+                report = self._report(restarts)
+                root = report.root_cause
+                cause = root.cause() if root is not None else first.describe()
+                return coord.decide(self.config.policy, cause)
+        else:
+            note = coord.failure_note()
+            self._emit("peer_failed", by=None if note is None else note.node_id)
+            self.group.stop()
+        return coord.await_decision(self.config.decision_timeout)
+
+    def _report(self, restarts: int) -> FailureReport:
+        assert self.group is not None
+        results = list(self.group.results.values())
+        return FailureReport.collect(results, stopped=[r.local_rank for r in results if r.stopped],
+                                     restart_count=restarts)
+
+    def _signalled(self) -> AgentResult:
+        assert self.group is not None and self.handler is not None
+        sig = self._signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        self._emit("signalled", signal=name)
+        self.group.stop(sig=sig)
+        return AgentResult("signalled", 128 + sig, f"agent received {name}; workers stopped",
+                           attempts=self.attempts)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _assignment(self, info: RoundInfo, restarts: int, addr: str) -> Assignment:
+        cfg = self.config
+        members = sorted(info.members, key=lambda m: m.rank)
+        ranks = assign_ranks([(str(m.meta.get("role", cfg.spec.role)), int(m.meta.get("nproc", cfg.spec.local_world_size))) for m in members])
+        master_addr, master_port = self._master(info, addr)
+        return Assignment.from_node_ranks(
+            info.rank, info.world_size, ranks[info.rank], master_addr=master_addr,
+            master_port=master_port, run_id=cfg.rdzv.job_id, restart_count=restarts,
+            max_restarts=cfg.max_restarts, use_agent_store=False,
+        )
+
+    def _master(self, info: RoundInfo, addr: str) -> tuple[str, int]:
+        """Group rank 0 picks MASTER_ADDR/PORT for the workers' own store and tells the others."""
+        if info.rank == 0:
+            port = free_port(addr if _is_ip(addr) else "0.0.0.0")
+            info.store.set("master", f"{addr} {port}".encode())
+            return addr, port
+        host, port = info.store.get("master", self.config.rdzv.join_timeout).decode().split()
+        return host, int(port)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        log.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+        if self.config.on_event is not None:
+            self.config.on_event(kind, **fields)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handle(signum: int, _frame: Any) -> None:
+            self._signal = signum
+            if self.group is not None:
+                self.group.wake()
+
+        for sig in FORWARDED:
+            self._old_handlers[sig] = signal.signal(sig, handle)
+
+    def _restore_signals(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in text else socket.AF_INET, text)
+        return True
+    except OSError:
+        return False
+
+
+def local_address(store_endpoint: str | None) -> str:
+    """The address peers can reach this node at: the one it uses to reach the store.
+
+    Hostnames do not resolve in every cluster (or test network namespace); the source address
+    of a route to the rendezvous endpoint does, when there is one.
+    """
+    if store_endpoint:
+        from ..store import parse_endpoint
+
+        try:
+            ep = parse_endpoint(store_endpoint, 1)
+            family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((ep.host, ep.port or 1))
+                return str(s.getsockname()[0])
+        except (OSError, ValueError):
+            pass
+    return socket.getfqdn()

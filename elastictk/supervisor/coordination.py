@@ -1,0 +1,155 @@
+"""What the agents of one job agree on through the store, beyond membership.
+
+- **Failure propagation.** The first agent whose worker fails writes the round's ``failed``
+  key (compare-and-set, so exactly one wins); every other agent is blocked on that key in a
+  thread and stops its workers the moment it appears, instead of leaving them hung in a
+  collective until a backend timeout.
+- **A job-wide restart budget.** Only the winner of ``failed`` runs the restart policy, on the
+  policy state kept in the job's store, and publishes the decision; so ``--max-restarts``
+  means the same for the whole job however many agents there are, and every node sees the
+  same ``TORCHELASTIC_RESTART_COUNT``.
+- **An exit barrier.** A node whose workers finished waits for the others, so a fast node
+  does not tear the store down under slow peers.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..store import Store, StoreError, StoreTimeout
+from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
+
+POLICY_KEY = "policy"
+
+
+@dataclass(frozen=True)
+class FailureNote:
+    """Who failed first in a round, in words every node can print."""
+
+    node_id: str
+    headline: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"node_id": self.node_id, "headline": self.headline}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "FailureNote":
+        try:
+            data = json.loads(raw)
+            return cls(str(data["node_id"]), str(data["headline"]))
+        except (ValueError, KeyError, TypeError):
+            return cls("?", f"unreadable failure note ({len(raw)} bytes)")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the job does after a round's failure; the same on every node."""
+
+    action: str  # "restart" | "give_up"
+    restart_count: int
+    reason: str
+    delay_s: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Decision":
+        data = json.loads(raw)
+        return cls(str(data["action"]), int(data["restart_count"]), str(data["reason"]), float(data.get("delay_s", 0.0)))
+
+
+def restart_count(job: Store) -> int:
+    """Failures the job has restarted from so far (what workers see as TORCHELASTIC_RESTART_COUNT)."""
+    raw = job.try_get(POLICY_KEY)
+    return 0 if raw is None else PolicyState.from_json(json.loads(raw)).restart_count
+
+
+class RoundCoordinator:
+    """One agent's view of one round's shared keys, with a thread that watches ``failed``."""
+
+    def __init__(self, job: Store, round_store: Store, node_id: str, on_failure: Callable[[], None]) -> None:
+        self.job = job
+        self.round = round_store
+        self.node_id = node_id
+        self.failed = threading.Event()
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._watch_store = round_store.clone()
+        self._thread = threading.Thread(target=self._watch, name="elastictk-failure-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._watch_store.wait(["failed"], 1.0)
+                except StoreTimeout:
+                    continue
+                if not self._stop.is_set():
+                    self.failed.set()
+                    self._on_failure()
+                return
+        except StoreError:
+            return  # a lost store is reported by the heartbeat and the membership watch
+        finally:
+            self._watch_store.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # -- failures ---------------------------------------------------------------------------
+    def report_failure(self, headline: str) -> bool:
+        """Publish our failure; whether we were first (and so must decide for the job)."""
+        note = FailureNote(self.node_id, headline).to_json()
+        won = self.round.compare_set("failed", None, note) == note
+        self.failed.set()
+        return won
+
+    def failure_note(self) -> FailureNote | None:
+        raw = self.round.try_get("failed")
+        return None if raw is None else FailureNote.from_json(raw)
+
+    def decide(self, policy: RestartPolicy, cause: str) -> Decision:
+        """Run the restart policy on the job-wide state and publish the decision (winner only)."""
+        raw = self.job.try_get(POLICY_KEY)
+        state = policy.initial_state() if raw is None else PolicyState.from_json(json.loads(raw))
+        # Wall time: the deciding node changes from failure to failure, and monotonic clocks
+        # of different hosts share no origin; an intensity window of seconds tolerates skew.
+        state, decision = policy.decide(state, Failure(time.time(), cause))
+        self.job.set(POLICY_KEY, json.dumps(state.to_json()).encode())
+        if isinstance(decision, Restart):
+            out = Decision("restart", decision.restart_count, cause, decision.delay_s)
+        else:
+            assert isinstance(decision, GiveUp)
+            out = Decision("give_up", state.restart_count, decision.reason)
+        self.round.set("decision", out.to_json())
+        return out
+
+    def await_decision(self, timeout: float) -> Decision | None:
+        """The decision of the node that failed first; None if it died before deciding."""
+        try:
+            return Decision.from_json(self.round.get("decision", timeout))
+        except StoreTimeout:
+            return None
+
+    # -- finishing --------------------------------------------------------------------------
+    def exit_barrier(self, world: int, timeout: float) -> bool:
+        """Wait for every node of the round to finish; False when a failure came first."""
+        if self.round.add("finished", 1) >= world:
+            self.round.set("all_finished", b"1")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.failed.is_set() or self.round.try_get("failed") is not None:
+                return False
+            try:
+                self.round.wait(["all_finished"], min(0.5, max(0.001, deadline - time.monotonic())))
+                return True
+            except StoreTimeout:
+                continue
+        return True  # peers that never finish within the timeout do not hold this node forever
+

@@ -133,3 +133,20 @@ def run_tree(directory: str) -> None:
     """TREE_SCRIPT as a function worker."""
     sys.argv = ["tree", directory]
     exec(compile(TREE_SCRIPT, "tree", "exec"), {"__name__": "__main__"})
+
+# Exits at once on SIGTERM, leaving behind a grandchild that ignores SIGTERM.
+STUBBORN_GRANDCHILD_SCRIPT = """\
+import os, signal, subprocess, sys, time
+d = sys.argv[1]
+code = ("import os, signal, sys, time\\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+        "open(sys.argv[1], 'w').close()\\n"
+        "time.sleep(600)\\n")
+ready = os.path.join(d, "grandchild.ready")
+child = subprocess.Popen([sys.executable, "-c", code, ready])
+while not os.path.exists(ready):
+    time.sleep(0.01)
+with open(os.path.join(d, "grandchild.pid"), "w") as f:
+    f.write(str(child.pid))
+time.sleep(600)
+"""

@@ -23,7 +23,7 @@ from elastictk.supervisor.forkserver import PreloadServer
 from elastictk.supervisor.group import WorkerGroup
 from elastictk.supervisor.reaper import is_child_subreaper
 from elastictk.supervisor.spec import WorkerSpec, python_script_argv
-from tests.supervisor_workers import TERM_SCRIPT, TREE_SCRIPT
+from tests.supervisor_workers import STUBBORN_GRANDCHILD_SCRIPT, TERM_SCRIPT, TREE_SCRIPT
 
 REPO = Path(__file__).resolve().parent.parent
 ASSIGN = Assignment.homogeneous(0, 1, 2, master_addr="127.0.0.1", master_port=29500, run_id="tree")
@@ -106,6 +106,20 @@ def test_sigterm_ignoring_worker_is_killed_after_the_grace_period(tmp_path: Path
     assert results[0].signal_name == "SIGKILL"
     assert elapsed >= 1.0, "SIGKILL came before the grace period ended"
     assert elapsed < 30
+
+
+def test_sigterm_ignoring_grandchild_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    spec = script_spec(tmp_path, STUBBORN_GRANDCHILD_SCRIPT, str(tmp_path), local_world_size=1)
+    with WorkerGroup(spec, tmp_path / "logs") as g:
+        g.start(0, Assignment.homogeneous(0, 1, 1, master_addr="h", master_port=1, run_id="gc"))
+        wait_for_files([tmp_path / "grandchild.pid"])
+        grandchild = int((tmp_path / "grandchild.pid").read_text())
+        t0 = time.monotonic()
+        results = g.stop(grace=1.0)
+        elapsed = time.monotonic() - t0
+        assert not psutil.pid_exists(grandchild)
+    assert results[0].signal_name == "SIGTERM"  # the worker itself went at once
+    assert 1.0 <= elapsed < 30, "the grandchild was not given the grace period, or waited past it"
 
 
 def test_grace_period_lets_a_worker_finish_its_sigterm_cleanup(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ whole job looks like to the store.
 
 Subjects and their references (same run, interleaved samples):
 
-- elastictk ``TCPStore``  vs torch ``TCPStore`` (libuv server, both hosted by this process)
+- elastictk ``TCPStore`` vs torch ``TCPStore`` (libuv servers, both hosted by this process);
+  ours wraps torch's own client and server, so this ratio is the cost of the wrapper
 - elastictk ``FileStore`` vs torch ``FileStore`` (both in the same temporary directory); ours
   twice: by default (``durable=True``, an fsync per written value, which torch's never does)
   and with ``durable=False``, the like-for-like setting

@@ -50,7 +50,7 @@ def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
     )
     backoff = Backoff(initial=config.restart_backoff) if config.restart_backoff > 0 else None
     policy = RestartPolicy(max_restarts=config.max_restarts, intensity=config.restart_intensity, backoff=backoff)
-    method = "preload" if config.start_method == "preload" else "subprocess"
+    method = worker_start_method(config)
     spec = WorkerSpec(
         entrypoint=config.entrypoint, local_world_size=config.nproc_per_node, role=config.role,
         start_method=method, redirects=config.redirects, tee=config.tee,
@@ -62,6 +62,21 @@ def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
         log_dir=config.log_dir, local_addr=config.local_addr,
     )
     return ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint), handle
+
+
+def worker_start_method(config: LaunchConfig) -> str:
+    """How script workers start: from the preloaded fork server unless told otherwise.
+
+    torchrun ignores ``--start-method`` for scripts and always starts a fresh interpreter, which
+    re-imports torch on every restart (seconds). elastictk forks Python workers from a server
+    that imported torch once, unless ``--start-method`` is given (then spawn/fork/forkserver
+    mean a fresh interpreter, as in torchrun) or the entrypoint is not Python (``--no-python``).
+    """
+    if config.start_method == "preload":
+        return "preload"
+    if config.start_method_given or config.no_python:
+        return "subprocess"
+    return "preload"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

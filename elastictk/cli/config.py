@@ -54,6 +54,7 @@ class LaunchConfig:
     max_restarts: int = 0
     monitor_interval: float = 0.1
     start_method: str = "spawn"
+    start_method_given: bool = False
     role: str = "default"
     module: bool = False
     no_python: bool = False

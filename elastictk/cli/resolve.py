@@ -214,6 +214,7 @@ def config_from_namespace(
             ns.max_restarts, at("max_restarts", "--max-restarts"), minimum=0)),
         monitor_interval=(0.1 if ns.monitor_interval is None else parse_seconds(
             ns.monitor_interval, at("monitor_interval", "--monitor-interval"))),
+        start_method_given=ns.start_method is not None,
         start_method=parse_choice(ns.start_method or "spawn",
                                   at("start_method", "--start-method"), START_METHODS),
         role=role, entrypoint=entrypoint, training_script=script,

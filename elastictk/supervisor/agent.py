@@ -193,7 +193,7 @@ class ElasticAgent:
             first = min(failed, key=lambda r: r.ended_at)
             won = coord.report_failure(f"node {self.node_id}: {first.describe()}")
             self._emit("worker_failed", rank=first.rank, local_rank=first.local_rank,
-                       exitcode=first.exitcode, signal=first.signal_name, won=won)
+                       exit=first.signal_name or f"code {first.exitcode}", first_in_job=won)
             self.group.stop()
             if won:
                 report = self._report(restarts)

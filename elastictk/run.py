@@ -59,7 +59,7 @@ def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
     )
     agent_cfg = AgentConfig(
         spec=spec, rdzv=rdzv, policy=policy, max_restarts=config.max_restarts,
-        log_dir=config.log_dir, local_addr=config.local_addr,
+        log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
     )
     return ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint), handle
 

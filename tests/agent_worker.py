@@ -5,7 +5,8 @@
 Writes ``OUT_DIR/attempt<RESTART>.rank<RANK>.json`` (its env) on start; ``--fail`` makes rank RANK
 fail when TORCHELASTIC_RESTART_COUNT == RESTART, HOW being a signal name, ``exc`` or ``exit:N``;
 ``--trap-term S`` ignores SIGTERM for S seconds after receiving it, recording that it did;
-``--child`` starts a sleeping grandchild and records its PID.
+``--child`` starts a sleeping grandchild and records its PID; ``--until NAME`` ends the sleep early
+once ``OUT_DIR/NAME`` exists, so a test decides when the job may finish.
 """
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ def main() -> None:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     env = {k: v for k, v in os.environ.items() if k in ENV_KEYS}
     env["pid"] = str(os.getpid())
-    sleep, trap, fails = 0.2, None, []
+    sleep, trap, fails, until = 0.2, None, [], None
     it = iter(args)
     for a in it:
         if a == "--fail":
             fails.append(next(it))
         elif a == "--sleep":
             sleep = float(next(it))
+        elif a == "--until":
+            until = os.path.join(out, next(it))
         elif a == "--trap-term":
             trap = float(next(it))
         elif a == "--child":
@@ -47,6 +50,10 @@ def main() -> None:
         signal.signal(signal.SIGTERM, on_term)
     with open(os.path.join(out, f"{tag}.json"), "w") as f:
         json.dump(env, f)
+    # One line per worker start, appended atomically: several nodes share OUT_DIR.
+    fd = os.open(os.path.join(out, "starts.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.write(fd, (json.dumps(env) + "\n").encode())
+    os.close(fd)
     for spec in fails:
         at, who, how = spec.split(":", 2)
         if int(at) == restart and int(who) == rank:
@@ -58,7 +65,7 @@ def main() -> None:
             os.kill(os.getpid(), getattr(signal, how))
             time.sleep(5)
     deadline = time.monotonic() + sleep
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
         time.sleep(0.05)
 
 

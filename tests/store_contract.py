@@ -123,6 +123,10 @@ class StoreContract:
         assert store.add("ctr", -2) == 3
         assert store.get("ctr") == b"3"
 
+    def test_noop_compare_set_on_an_absent_key_reports_it_absent(self, store: Store) -> None:
+        assert store.compare_set("nothing-here", b"v", b"v") is None
+        assert store.try_get("nothing-here") is None
+
     def test_empty_value_round_trips(self, store: Store) -> None:
         store.set("empty", b"")
         assert store.try_get("empty") == b""

@@ -106,14 +106,18 @@ class TCPStore(Store):
         try:
             yield raw
         except dist.DistNetworkError as e:
-            raise StoreUnreachable(
-                f"lost the TCPStore at {self.describe()} during {what}: {_first_line(e)}; "
-                "the process hosting it may have died (the etcd backend survives that)"
-            ) from None
+            raise self._lost(what, e) from None
         except dist.DistStoreError as e:
             if "timeout" in str(e).lower():
                 raise self._timeout_error(keys, self.default_timeout) from None
             raise StoreError(f"{what} on {self.describe()} failed: {_first_line(e)}") from None
+
+    def _lost(self, what: str, e: BaseException) -> StoreUnreachable:
+        return StoreUnreachable(
+            f"lost the TCPStore at {self.describe()} during {what} ({_first_line(e)}): the process "
+            "hosting it (for c10d, the agent on the endpoint's host) has died; a job that must "
+            "survive that uses --rdzv-backend etcd"
+        )
 
     def set(self, key: str, value: bytes) -> None:
         with self._op("set", [key]) as s:
@@ -157,6 +161,9 @@ class TCPStore(Store):
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
         exp = expected or b""
+        if exp and exp == desired:
+            # A no-op swap; c10d would echo ``expected`` for an absent key too, so ask directly.
+            return self.try_get(key)
         with self._op("compare_set", [key]) as s:
             value = bytes(s.compare_set(key, exp, desired))
         if exp and value == exp and exp != desired:
@@ -176,9 +183,7 @@ class TCPStore(Store):
         try:
             raw.wait(list(keys), _td(t))
         except dist.DistNetworkError as e:
-            raise StoreUnreachable(
-                f"lost the TCPStore at {self.describe()} while waiting: {_first_line(e)}"
-            ) from None
+            raise self._lost("wait", e) from None
         except dist.DistStoreError as e:
             if "timeout" in str(e).lower() or time.monotonic() - start >= t:
                 raise self._timeout_error(keys, t) from None

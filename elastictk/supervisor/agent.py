@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousHandler, RoundInfo
-from ..store import Store, free_port
+from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, assign_ranks
 from .group import WorkerGroup
@@ -47,6 +47,7 @@ class AgentConfig:
     node_id: str | None = None
     local_addr: str | None = None
     exit_barrier_timeout: float = 300.0
+    hosts_store: bool = False
     decision_timeout: float = 30.0
     on_event: Event | None = None
 
@@ -95,10 +96,18 @@ class ElasticAgent:
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
             return self._loop(addr)
+        except StoreError as e:
+            # The store is gone (e.g. the host of a c10d store died): fail fast, never hang.
+            self.group.stop()
+            self._emit("store_lost", error=str(e))
+            return AgentResult("failed", 1, str(e), attempts=self.attempts)
         finally:
             self._restore_signals()
             self.group.close()
-            self.handler.close(leaving=True)
+            try:
+                self.handler.close(leaving=True)
+            except StoreError:
+                pass
 
     def pids(self) -> dict[int, int]:
         """Local rank → PID of the running workers (for fault injection and tests)."""
@@ -139,10 +148,16 @@ class ElasticAgent:
             if outcome == _Outcome.MEMBERSHIP:
                 self._emit("membership_changed", reason=watch.reason)
                 group.stop()
+                if watch.store_error is not None:
+                    raise watch.store_error
                 continue
             if outcome == _Outcome.SUCCEEDED:
                 if coord.exit_barrier(info.world_size, cfg.exit_barrier_timeout):
-                    handler.shutdown("finished")
+                    try:
+                        handler.shutdown("finished")
+                    except StoreError:
+                        pass  # a peer already closed the job and the store went with its host
+                    coord.depart(info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5)
                     results = group.results
                     self._emit("job_finished", restarts=restarts)
                     return AgentResult("succeeded", 0, "all workers finished",

@@ -153,3 +153,17 @@ class RoundCoordinator:
                 continue
         return True  # peers that never finish within the timeout do not hold this node forever
 
+    def depart(self, world: int, host: bool, timeout: float) -> None:
+        """Say this node is done with the store; the node hosting it waits for everyone.
+
+        The host of a c10d store takes the store down when it exits, so it leaves last:
+        a peer still reading the round's keys would otherwise fail a job that succeeded.
+        """
+        try:
+            if self.round.add("departed", 1) >= world:
+                self.round.set("all_departed", b"1")
+            if host:
+                self.round.wait(["all_departed"], timeout)
+        except StoreError:
+            pass  # the job is done; a peer that vanished meanwhile changes nothing
+

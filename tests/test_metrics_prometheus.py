@@ -1,0 +1,192 @@
+"""A real Prometheus scrapes elastictk's exporter; every assertion asks Prometheus's HTTP API.
+
+Prometheus (Debian's ``prometheus``, installed by ``make test``) runs on a loopback port with a
+temp config and data dir, scraping every 200 ms; it is stopped and its dir removed after each
+test, also on failure (the context manager), and dies with the test run if that is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from elastictk.metrics import (
+    AgentMetrics, MetricsServer, PrometheusError, PrometheusNotInstalled, PrometheusServer, read_events,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "contrib" / "prometheus-alerts.yml"
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    from elastictk.metrics.promserver import find_prometheus
+
+    try:
+        return find_prometheus()
+    except PrometheusNotInstalled as e:
+        pytest.skip(str(e))
+
+
+def test_prometheus_sees_the_restart_and_the_alert_fires(tmp_path: Path, prometheus_binary: str) -> None:
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg, job="job-a", node="node-0", role="default", max_restarts=1, local_world_size=2)
+    with MetricsServer(reg, port=0) as exporter, \
+            PrometheusServer([exporter.target], rule_files=[RULES], base_dir=tmp_path) as prom:
+        root = prom.root
+        prom.wait_for('up{job="elastictk"}', lambda v: v == 1)
+        assert prom.value('elastictk_restarts_total{job="job-a"}') == 0
+        m("round_joined", round=0, rank=0, world=1)
+        m("workers_started", attempt=0, restart_count=0, pids={0: 10, 1: 11})
+        m("worker_failed", rank=1, local_rank=1, exit="SIGKILL", first_in_job=True)
+        m("restart", restart_count=1, delay_s=0.0, reason="worker 1 was killed")
+        m("workers_started", attempt=1, restart_count=1, pids={0: 12, 1: 13})
+        prom.wait_for('elastictk_restarts_total{job="job-a",node="node-0",role="default"}', lambda v: v == 1)
+        assert prom.value('elastictk_worker_failures_total{reason="signal",detail="SIGKILL"}') == 1
+        assert prom.value("elastictk_restarts_remaining") == 0
+        assert prom.value("elastictk_workers_running") == 2
+        assert prom.value("elastictk_recovery_duration_seconds_count") == 1
+        # the shipped rule: the budget is spent, the next failure ends the job
+        prom.wait_for('ALERTS{alertname="ElastictkRestartBudgetExhausted",alertstate="firing"}',
+                      lambda v: v == 1)
+        assert prom.value('ALERTS{alertname="ElastictkJobFailed"}') is None
+        m("worker_failed", rank=0, local_rank=0, exit="code 1", first_in_job=True)
+        m("job_failed", reason="no restarts left")
+        prom.wait_for('ALERTS{alertname="ElastictkJobFailed",alertstate="firing",job="job-a"}', lambda v: v == 1)
+    assert not root.exists()
+
+
+def test_shipped_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_prometheus_start_failure_is_one_line_and_cleans_up(tmp_path: Path, prometheus_binary: str) -> None:
+    prom = PrometheusServer(["127.0.0.1:1"], base_dir=tmp_path, scrape_interval=0.2)
+    prom.config = lambda: "scrape_configs: [this is not: valid\n"  # type: ignore[method-assign]
+    with pytest.raises(PrometheusError) as info:
+        with prom:
+            pass
+    assert "prometheus exited" in str(info.value) and "\n" not in str(info.value)
+    assert not prom.root.exists() and prom.pid is None
+
+
+# -- an elastictk job end to end ------------------------------------------------------------------
+
+# A custom launcher built from the public pieces: elastictk-run's agent with telemetry wired in
+# (what ``--metrics-port``/``--event-log`` do), printing each event as a JSON line for the test.
+DRIVER = """
+import dataclasses, json, sys
+from elastictk.cli import parse_args
+from elastictk.metrics import Telemetry
+from elastictk.run import build_agent
+
+config = parse_args(sys.argv[1:])
+tel = Telemetry.from_launch(config, node="node-0")
+agent, handle = build_agent(config)
+cfg = agent.config
+cfg.spec = dataclasses.replace(cfg.spec, env={**cfg.spec.env, **tel.worker_env()})
+
+def on_event(kind, **fields):
+    tel.on_event(kind, **fields)
+    print(json.dumps({"kind": kind, **fields}, default=str), flush=True)
+
+cfg.on_event = on_event
+print(json.dumps({"kind": "metrics", "target": tel.server.target, "job": config.run_id}), flush=True)
+try:
+    result = agent.run()
+finally:
+    handle.close()
+    tel.close()
+sys.exit(result.exit_code)
+"""
+
+WORKER = """
+import os, sys, time
+import elastictk.metrics as etm
+
+assert etm.enabled(), "ELASTICTK_METRICS_SHM should reach the worker"
+stop = sys.argv[1]
+i = 0
+while not os.path.exists(stop):
+    with etm.step_timer():
+        time.sleep(0.02)
+    i += 1
+    if i % 10 == 0:
+        etm.checkpoint()
+"""
+
+
+def events_from(stdout: IO[str]) -> Iterator[dict[str, Any]]:
+    for line in stdout:
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def next_event(events: Iterator[dict[str, Any]], kind: str) -> dict[str, Any]:
+    for e in events:
+        if e["kind"] == kind:
+            return e
+    pytest.fail(f"the job ended before a {kind!r} event")
+
+
+def test_killed_worker_shows_up_in_prometheus(tmp_path: Path, prometheus_binary: str) -> None:
+    worker, stop, log = tmp_path / "train.py", tmp_path / "stop", tmp_path / "events.jsonl"
+    worker.write_text(WORKER)
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--start-method", "spawn",
+             "--metrics-port", "0", "--event-log", str(log), "--log-dir", str(tmp_path / "logs"),
+             str(worker), str(stop)]
+    env = {k: v for k, v in os.environ.items() if k != "ELASTICTK_METRICS_SHM"}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, *flags], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        events = events_from(driver.stdout)
+        first = next_event(events, "metrics")
+        job, target = first["job"], first["target"]
+        sel = f'job="{job}",node="node-0"'
+        with PrometheusServer([target], base_dir=tmp_path) as prom:
+            started = next_event(events, "workers_started")
+            # worker → shared block → exporter → Prometheus
+            prom.wait_for(f"sum(elastictk_steps_total{{{sel}}})", lambda v: v is not None and v >= 10)
+            prom.wait_for(f"elastictk_workers_running{{{sel}}}", lambda v: v == 2)
+            assert prom.value(f"elastictk_restarts_total{{{sel}}}") == 0
+            victim = int(started["pids"]["1"])
+            os.kill(victim, signal.SIGKILL)
+            failed = next_event(events, "worker_failed")
+            assert failed["exit"] == "SIGKILL"
+            next_event(events, "workers_started")
+            prom.wait_for(f"elastictk_restarts_total{{{sel}}}", lambda v: v == 1)
+            assert prom.value(f'elastictk_worker_failures_total{{{sel},reason="signal",detail="SIGKILL"}}') == 1
+            assert prom.value(f"elastictk_restarts_remaining{{{sel}}}") == 1
+            prom.wait_for(f"elastictk_recovery_duration_seconds_count{{{sel}}}", lambda v: v == 1)
+            ratio = prom.wait_for(f"elastictk_goodput_ratio{{{sel}}}")
+            assert ratio is not None and 0 < ratio <= 1
+            steps_before = prom.value(f"sum(elastictk_steps_total{{{sel}}})")
+            prom.wait_for(f"sum(elastictk_steps_total{{{sel}}})", lambda v: v is not None and v > (steps_before or 0))
+        stop.write_text("")
+        assert driver.wait(timeout=120) == 0
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+        stderr = driver.stderr.read() if driver.stderr else ""
+        for stream in (driver.stdout, driver.stderr):
+            if stream is not None:
+                stream.close()
+    kinds = [e.kind for e in read_events(log)]
+    assert kinds.count("workers_started") == 2 and "worker_failed" in kinds and "restart" in kinds, stderr[-2000:]
+    assert kinds[-1] == "job_finished"
+    (fail,) = read_events(log, kinds={"worker_failed"})
+    assert fail.get("exit") == "SIGKILL" and fail.get("local_rank") == 1 and fail.run_id == job

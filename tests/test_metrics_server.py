@@ -1,0 +1,161 @@
+"""The HTTP exporter and the Telemetry bundle: serve, shut down cleanly, fail clearly."""
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastictk.cli import parse_args
+from elastictk.metrics import ENV_PATH, MetricsServer, MetricsServerError, Telemetry, read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "tests" / "agent_worker.py")
+
+
+def fetch(host: str, port: int, path: str = "/metrics") -> tuple[int, str]:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def my_sockets(port: int) -> list[Any]:
+    return [c for c in psutil.Process().net_connections(kind="inet")
+            if (c.laddr and c.laddr.port == port) or (c.raddr and c.raddr.port == port)]
+
+
+def server_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("elastictk-metrics") or "process_request" in t.name]
+
+
+def registry_with_a_counter() -> CollectorRegistry:
+    reg = CollectorRegistry()
+    Counter("elastictk_test_things", "things", ["job"], registry=reg).labels("j").inc(3)
+    return reg
+
+
+def test_port_zero_picks_a_free_port_and_close_leaves_nothing() -> None:
+    threads_before = {t.ident for t in threading.enumerate()}
+    srv = MetricsServer(registry_with_a_counter(), port=0)
+    try:
+        assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
+        assert srv.target == f"127.0.0.1:{srv.port}"
+        status, text = fetch("127.0.0.1", srv.port)
+        assert status == 200
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["elastictk_test_things_total"] == 3
+    finally:
+        srv.close()
+    srv.close()  # idempotent
+    assert not my_sockets(srv.port)
+    assert {t.ident for t in threading.enumerate()} <= threads_before
+    with pytest.raises(OSError):
+        fetch("127.0.0.1", srv.port)
+
+
+def test_a_stalled_client_cannot_hold_up_close() -> None:
+    srv = MetricsServer(registry_with_a_counter(), port=0, request_timeout=0.5)
+    stalled = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    try:
+        stalled.sendall(b"GET /metr")  # never finishes its request
+        deadline = time.monotonic() + 30
+        while not server_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server_threads()  # the request is being served, and stalls
+        srv.close()  # joins the request thread once its read times out
+        assert not [t for t in server_threads() if t.is_alive()]
+    finally:
+        stalled.close()
+    assert not [c for c in my_sockets(srv.port) if c.status == psutil.CONN_LISTEN]
+
+
+def test_a_taken_port_is_one_clear_line() -> None:
+    with MetricsServer(registry_with_a_counter(), port=0) as first:
+        with pytest.raises(MetricsServerError) as info:
+            MetricsServer(registry_with_a_counter(), port=first.port)
+    msg = str(info.value)
+    assert "\n" not in msg and f"127.0.0.1:{first.port}" in msg and "--metrics-port" in msg
+    with pytest.raises(MetricsServerError, match="0 .any free port. to 65535"):
+        MetricsServer(registry_with_a_counter(), port=70000)
+
+
+def test_serves_on_ipv6_loopback() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        srv = MetricsServer(registry_with_a_counter(), host="::1", port=0)
+    except MetricsServerError as e:
+        pytest.skip(f"IPv6 loopback unavailable: {e}")
+    with srv:
+        assert srv.url == f"http://[::1]:{srv.port}/metrics"
+        assert fetch("::1", srv.port)[0] == 200
+
+
+def test_telemetry_from_elastictk_run_flags(tmp_path: Path) -> None:
+    log = tmp_path / "ev" / "events.jsonl"
+    config = parse_args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+                         "--metrics-port", "0", "--event-log", str(log), "--role", "trainer",
+                         SCRIPT, str(tmp_path)])
+    with Telemetry.from_launch(config, node="node-a") as tel:
+        env = tel.worker_env()
+        assert set(env) == {ENV_PATH}
+        assert tel.metrics_url is not None and tel.server is not None
+        tel.on_event("workers_started", attempt=0, restart_count=0, pids={0: 1, 1: 2})
+        tel.on_event("worker_failed", rank=1, local_rank=1, exit="SIGTERM", first_in_job=True)
+        tel.on_event("restart", restart_count=1, delay_s=0, reason="x")
+        _, text = fetch("127.0.0.1", tel.server.port)
+        samples = {(s.name, s.labels.get("reason")): s for f in text_string_to_metric_families(text)
+                   for s in f.samples}
+        restarts = samples[("elastictk_restarts_total", None)]
+        assert restarts.value == 1
+        assert restarts.labels == {"job": config.run_id, "node": "node-a", "role": "trainer"}
+        assert samples[("elastictk_restarts_remaining", None)].value == 2
+        assert samples[("elastictk_worker_failures_total", "signal")].value == 1
+        port = tel.server.port
+    assert not my_sockets(port)
+    assert [e.kind for e in read_events(log)] == ["workers_started", "worker_failed", "restart"]
+    assert all(e.run_id == config.run_id for e in read_events(log))
+
+
+def test_telemetry_without_a_port_only_records_events(tmp_path: Path) -> None:
+    with Telemetry(job="j", local_world_size=2) as tel:
+        assert tel.server is None and tel.metrics is None and tel.worker_env() == {}
+        tel.on_event("round_joined", round=0, rank=0, world=1)
+        tel.on_event("workers_started", attempt=0, restart_count=0, pids={}, run_dir=str(tmp_path / "j"))
+    assert [e.kind for e in read_events(tmp_path / "j" / "events.jsonl")] == ["round_joined", "workers_started"]
+
+
+def test_telemetry_setup_errors_are_one_line_and_leave_nothing(tmp_path: Path) -> None:
+    from elastictk.metrics import TelemetryError
+
+    def memfds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += "elastictk-steps" in os.readlink(f"/proc/self/fd/{fd}")
+            except FileNotFoundError:  # the fd listdir itself used
+                pass
+        return n
+
+    before = memfds()
+    with MetricsServer(registry_with_a_counter(), port=0) as taken:
+        with pytest.raises(TelemetryError) as info:
+            Telemetry(job="j", local_world_size=2, metrics_port=taken.port)
+        assert "--metrics-port" in str(info.value) and "\n" not in str(info.value)
+    assert memfds() == before  # the steps block made before the bind failed was freed
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(TelemetryError, match="cannot write event log"):
+        Telemetry(job="j", event_log=str(blocker / "events.jsonl"))

@@ -34,8 +34,10 @@ debs:
 demo: install
 	$(VPY) examples/demo.py
 
+# A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
 test: install debs
-	$(VPY) -m pytest -q tests
+	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \
+	$(VPY) -m pytest -q tests --basetemp=$$bt; rc=$$?; rm -rf $$bt; exit $$rc
 
 bench: install
 	$(VPY) -m bench

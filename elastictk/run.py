@@ -27,7 +27,7 @@ def _setup_logging() -> None:
     root.setLevel(os.environ.get("ELASTICTK_LOG_LEVEL", "INFO").upper())
 
 
-def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
+def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> tuple["ElasticAgent", "StoreHandle"]:
     """The store and the agent for ``config``; split from :func:`main` for custom launchers."""
     from .rendezvous import RendezvousConfig
     from .rendezvous.backends import open_store
@@ -56,10 +56,12 @@ def build_agent(config: LaunchConfig) -> tuple["ElasticAgent", "StoreHandle"]:
         start_method=method, redirects=config.redirects, tee=config.tee,
         local_ranks_filter=config.local_ranks_filter, grace_period=config.grace_period,
         log_line_prefix_template=config.log_line_prefix_template,
+        env=telemetry.worker_env() if telemetry is not None else {},
     )
     agent_cfg = AgentConfig(
         spec=spec, rdzv=rdzv, policy=policy, max_restarts=config.max_restarts,
         log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
+        on_event=telemetry.on_event if telemetry is not None else None,
     )
     return ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint), handle
 
@@ -83,17 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one node of a job; returns the exit code (the console script exits with it)."""
     config = parse_or_exit(list(sys.argv[1:] if argv is None else argv))
     _setup_logging()
+    from .metrics import Telemetry, TelemetryError
     from .store import StoreError
 
     try:
-        agent, handle = build_agent(config)
-    except StoreError as e:
+        telemetry = Telemetry.from_launch(config)
+    except TelemetryError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     try:
-        result = agent.run()
+        try:
+            agent, handle = build_agent(config, telemetry)
+        except StoreError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            result = agent.run()
+        finally:
+            handle.close()
     finally:
-        handle.close()
+        telemetry.close()
     if result.report is not None:
         print(result.report.render(), file=sys.stderr)
     level = logging.INFO if result.exit_code == 0 else logging.ERROR
@@ -102,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .metrics import Telemetry
     from .rendezvous.backends import StoreHandle
     from .supervisor.agent import ElasticAgent
 

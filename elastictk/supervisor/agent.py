@@ -121,6 +121,7 @@ class ElasticAgent:
         while True:
             if self._signal in TERMINATING:
                 return self._signalled()
+            self._emit("rendezvous_started", node_id=handler.node_id)
             try:
                 info = handler.next_round()
             except RendezvousClosed as e:
@@ -138,7 +139,8 @@ class ElasticAgent:
                 group.start(self.attempts, assignment)
                 self.attempts += 1
                 ran = True
-                self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids())
+                self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids(),
+                           world_size=assignment.global_world_size, run_dir=str(group.run_log_dir))
                 outcome, failed = self._monitor(coord, watch)
             finally:
                 watch.stop()
@@ -146,8 +148,9 @@ class ElasticAgent:
             if outcome == _Outcome.SIGNAL:
                 return self._signalled()
             if outcome == _Outcome.MEMBERSHIP:
-                self._emit("membership_changed", reason=watch.reason)
+                self._emit("membership_changed", reason=watch.reason, cause=_cause(watch))
                 group.stop()
+                self._emit("workers_stopped", reason="membership_changed")
                 if watch.store_error is not None:
                     raise watch.store_error
                 continue
@@ -210,6 +213,7 @@ class ElasticAgent:
             self._emit("worker_failed", rank=first.rank, local_rank=first.local_rank,
                        exit=first.signal_name or f"code {first.exitcode}", first_in_job=won)
             self.group.stop()
+            self._emit("workers_stopped", reason="worker_failed")
             if won:
                 report = self._report(restarts)
                 root = report.root_cause
@@ -219,6 +223,7 @@ class ElasticAgent:
             note = coord.failure_note()
             self._emit("peer_failed", by=None if note is None else note.node_id)
             self.group.stop()
+            self._emit("workers_stopped", reason="peer_failed")
         return coord.await_decision(self.config.decision_timeout)
 
     def _report(self, restarts: int) -> FailureReport:
@@ -278,6 +283,16 @@ class ElasticAgent:
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
+
+
+def _cause(watch: MembershipWatch) -> str:
+    if watch.store_error is not None:
+        return "store_lost"
+    if watch.lost:
+        return "lost_node"
+    if watch.reason and "shut down" in watch.reason:
+        return "shutdown"
+    return "node_joined"
 
 
 def _is_ip(text: str) -> bool:

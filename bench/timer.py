@@ -1,0 +1,381 @@
+"""Watchdog timers: what a timer costs the worker, and how soon an expired one is reaped.
+
+A collective timeout wraps every collective of every training step, so its acquire+release pair
+is paid thousands of times a second; and the point of a timer is to end a hang soon after its
+deadline. Two measurements, elastictk against torch's ``torch.distributed.elastic.timer``
+(same run, interleaved samples):
+
+- **cost**: ns per acquire+release pair, in the process that holds the timers, with the server
+  ("agent") in another process as in a real job: elastictk's ``expires`` against torch's
+  ``LocalTimerClient`` (multiprocessing queue to a ``LocalTimerServer``) and ``FileTimerClient``
+  (JSON lines through a FIFO to a ``FileTimerServer``), both as the context manager users write
+  (``with expires(after=..., scope=...)``) and as explicit acquire/release calls. torch's
+  ``FileTimerClient`` raises ``BlockingIOError`` once the FIFO is full (its server reads it only
+  every second); those failed calls are counted, not hidden.
+- **latency**: ms from a timer's deadline until the stuck worker is dead (its pidfd readable).
+  A sample starts a fresh "agent" process hosting the server, which forks a worker that takes a
+  timer and sleeps past it. elastictk's server takes the worker's stacks before the SIGKILL
+  (waiting ``dump_quiet``), so its number includes that. torch's servers are run at their default
+  check intervals (``LocalTimerServer`` 60 s, ``FileTimerServer`` 10 s; fewer samples, they are
+  long) and at 0.1 s.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal
+import time
+from typing import Any, Callable
+
+from ._pool import _die_with_parent
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, interleaved
+
+TITLE = "Watchdog timers: acquire+release cost and deadline-to-kill latency, elastictk vs torch"
+LONG = 3600.0  # the cost loops' timers never expire
+DEFAULT_ROUNDS = 3  # samples of torch's default intervals (a minute each for LocalTimerServer)
+
+
+# -- helper processes -------------------------------------------------------------------------
+def _fork(body: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child running ``body(write_fd)``; returns (pid, read_fd). The child never returns."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _die_with_parent()
+            os.close(r)
+            body(w)
+        except BaseException:  # noqa: BLE001 - a helper must never unwind into the parent's code
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def _read_line(fd: int, timeout: float) -> str:
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise BenchError(f"a helper process said nothing for {timeout:.0f} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise BenchError("a helper process exited before it answered")
+        buf += chunk
+    return buf.decode().strip()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _await_reader(fifo: str, timeout: float = 30.0) -> None:
+    """Until a FileTimerServer reads ``fifo`` (before that its client's open fails with ENXIO
+    and torch retries, logging a traceback each time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENXIO, errno.ENOENT) or time.monotonic() > deadline:
+                raise BenchError(f"torch's FileTimerServer never opened {fifo}: {e}") from None
+            time.sleep(0.005)
+
+
+def _serve_etk(w: int, watch_pid: int) -> None:
+    from elastictk.timer import TimerServer
+
+    server = TimerServer(1)
+    server.watch_worker(0, watch_pid)
+    os.write(w, f"{server.path}\n".encode())
+    signal.pause()
+
+
+def _serve_local(queue: Any) -> Callable[[int], None]:
+    def body(w: int) -> None:
+        from torch.distributed.elastic.timer import LocalTimerServer
+
+        LocalTimerServer(queue, max_interval=60).start()
+        os.write(w, b"ready\n")
+        signal.pause()
+    return body
+
+
+def _serve_file(path: str, interval: float) -> Callable[[int], None]:
+    def body(w: int) -> None:
+        from torch.distributed.elastic.timer import FileTimerServer
+
+        FileTimerServer(path, "bench", max_interval=interval).start()
+        os.write(w, b"ready\n")
+        signal.pause()
+    return body
+
+
+# -- cost ---------------------------------------------------------------------------------------
+def _loops(local_client: Any, file_client: Any) -> dict[str, Callable[[int], int]]:
+    """One loop per subject, written identically; each returns how many pairs failed."""
+    from torch.distributed.elastic.timer import expires as torch_expires
+
+    from elastictk.timer import acquire, expires, release
+
+    def etk_with(n: int) -> int:
+        failed = 0
+        for _ in range(n):
+            try:
+                with expires(after=LONG, scope="bench"):
+                    pass
+            except OSError:
+                failed += 1
+        return failed
+
+    def etk_calls(n: int) -> int:
+        failed = 0
+        for _ in range(n):
+            try:
+                release(acquire(LONG, "bench"))
+            except OSError:
+                failed += 1
+        return failed
+
+    def torch_with(client: Any) -> Callable[[int], int]:
+        def loop(n: int) -> int:
+            failed = 0
+            for _ in range(n):
+                try:
+                    with torch_expires(after=LONG, scope="bench", client=client):
+                        pass
+                except OSError:
+                    failed += 1
+            return failed
+        return loop
+
+    def torch_calls(client: Any) -> Callable[[int], int]:
+        def loop(n: int) -> int:
+            failed = 0
+            for _ in range(n):
+                try:
+                    client.acquire("bench", time.time() + LONG)
+                    client.release("bench")
+                except OSError:
+                    failed += 1
+            return failed
+        return loop
+
+    return {
+        "etk-with": etk_with, "etk-calls": etk_calls,
+        "local-with": torch_with(local_client), "local-calls": torch_calls(local_client),
+        "file-with": torch_with(file_client), "file-calls": torch_calls(file_client),
+    }
+
+
+def _cost(cfg: RunConfig, tmp: str, pids: list[int]) -> list[Comparison]:
+    import multiprocessing as mp
+
+    from torch.distributed.elastic.timer import FileTimerClient, LocalTimerClient
+
+    from elastictk import timer
+
+    queue = mp.get_context("fork").Queue()
+    helpers = []
+    try:
+        me = os.getpid()
+        pid, r = _fork(lambda w: _serve_etk(w, me))
+        helpers.append(pid)
+        timer.detach()
+        timer.attach(_read_line(r, 60), 0)
+        os.close(r)
+        fifo = os.path.join(tmp, "torch-timer.fifo")
+        for body in (_serve_local(queue), _serve_file(fifo, 10)):
+            pid, r = _fork(body)
+            helpers.append(pid)
+            _read_line(r, 60)
+            os.close(r)
+        _await_reader(fifo)
+        pids.extend(helpers)
+        loops = _loops(LocalTimerClient(queue), FileTimerClient(fifo))
+        n = {}
+        for name, loop in loops.items():  # calibrate: a sample should last about sample_seconds
+            t = time.perf_counter()
+            loop(200)
+            per = max((time.perf_counter() - t) / 200, 1e-8)
+            n[name] = max(200, int(cfg.sample_seconds / per))
+        failed = {name: 0 for name in loops}
+        calls = {name: 0 for name in loops}
+
+        def sample(name: str) -> float:
+            t = time.perf_counter()
+            failed[name] += loops[name](n[name])
+            calls[name] += n[name]
+            return (time.perf_counter() - t) / n[name] * 1e9
+
+        cfg.log(f"timer cost: {', '.join(f'{k}×{v}' for k, v in n.items())} pairs per sample")
+        samples = interleaved(list(loops), sample, cfg.rounds)
+    finally:
+        timer.detach()
+        for pid in helpers:
+            _kill(pid)
+        queue.close()
+        queue.cancel_join_thread()  # its reader is gone: never wait for the feeder to flush
+    extra = {name: {"pairs": calls[name], "failed_pairs": failed[name]} for name in loops}
+    if failed["etk-with"] or failed["etk-calls"]:
+        raise BenchError(f"elastictk timer calls failed: {extra}")
+    ours = {"with": Measured("expires (with)", samples["etk-with"], extra["etk-with"]),
+            "calls": Measured("acquire/release", samples["etk-calls"], extra["etk-calls"])}
+    rows = []
+    for form in ("with", "calls"):
+        for ref, label in (("local", "LocalTimerClient"), ("file", "FileTimerClient")):
+            key = f"{ref}-{form}"
+            note = ""
+            if failed[key]:
+                note = (f"torch's FileTimerClient failed (BlockingIOError: FIFO full) in "
+                        f"{failed[key]:,} of {calls[key]:,} pairs; failed pairs are timed too")
+            rows.append(Comparison(
+                {"measure": "cost", "form": form, "server interval": "-"}, ours[form],
+                Measured(label + (" (with)" if form == "with" else " acquire/release"),
+                         samples[key], extra[key]), note=note))
+    return rows
+
+
+# -- latency ------------------------------------------------------------------------------------
+def _agent(kind: str, after: float, interval: float, tmp: str) -> Callable[[int], None]:
+    """The body of one latency sample's agent process: a server and one stuck worker, forked
+    before the server's threads start."""
+    def body(w: int) -> None:
+        if kind == "etk":
+            from elastictk import timer
+
+            server: Any = timer.TimerServer(1)
+
+            def arm() -> float:
+                timer.attach(server.path, 0)
+                t0 = time.monotonic()
+                timer.acquire(after, "bench")
+                return t0 + after
+        elif kind == "local":
+            import multiprocessing as mp
+
+            from torch.distributed.elastic.timer import LocalTimerClient, LocalTimerServer
+
+            queue = mp.get_context("fork").Queue()
+
+            def arm() -> float:
+                t0 = time.monotonic()
+                LocalTimerClient(queue).acquire("bench", time.time() + after)
+                return t0 + after
+        else:
+            from torch.distributed.elastic.timer import FileTimerClient, FileTimerServer
+
+            fifo = os.path.join(tmp, f"latency-{os.getpid()}.fifo")
+            server = FileTimerServer(fifo, "bench", max_interval=interval)  # makes the FIFO
+
+            def arm() -> float:
+                _await_reader(fifo)
+                t0 = time.monotonic()
+                FileTimerClient(fifo).acquire("bench", time.time() + after)
+                return t0 + after
+        pid = os.fork()
+        if pid == 0:
+            try:
+                deadline = arm()
+                os.write(w, f"{os.getpid()} {deadline!r}\n".encode())
+                time.sleep(LONG)
+            finally:
+                os._exit(0)
+        if kind == "etk":
+            server.watch_worker(0, pid)
+        elif kind == "local":
+            LocalTimerServer(queue, max_interval=interval).start()
+        else:
+            server.start()
+        os.waitpid(pid, 0)
+    return body
+
+
+def _latency_sample(kind: str, after: float, interval: float, tmp: str, limit: float,
+                    pids: list[int]) -> float:
+    agent, r = _fork(_agent(kind, after, interval, tmp))
+    pids.append(agent)
+    pidfd = -1
+    try:
+        worker, deadline = _read_line(r, 60).split()
+        pids.append(int(worker))
+        pidfd = os.pidfd_open(int(worker))
+        if not select.select([pidfd], [], [], limit)[0]:
+            raise BenchError(f"{kind}: the stuck worker was not reaped within {limit:.0f} s")
+        return (time.monotonic() - float(deadline)) * 1e3
+    finally:
+        if pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # only if a server failed
+            except ProcessLookupError:
+                pass
+            os.close(pidfd)
+        os.close(r)
+        _kill(agent)
+
+
+def _latency(cfg: RunConfig, tmp: str, pids: list[int]) -> list[Comparison]:
+    after = 0.05 if cfg.quick else 0.2
+    # (torch's check interval per server, whether those are torch's defaults, samples)
+    groups: list[tuple[dict[str, float], bool, int]] = [({"local": 0.1, "file": 0.1}, False,
+                                                         cfg.rounds)]
+    if not cfg.quick:
+        groups.insert(0, ({"local": 60.0, "file": 10.0}, True, DEFAULT_ROUNDS))
+    rows = []
+    for intervals, default, rounds in groups:
+        def sample(kind: str, intervals: dict[str, float] = intervals) -> float:
+            interval = intervals.get(kind, 0.0)
+            return _latency_sample(kind, after, interval, tmp, 3 * interval + 30, pids)
+
+        cfg.log(f"timer latency: torch intervals {intervals}, {rounds} rounds")
+        s = interleaved(["etk", "local", "file"], sample, rounds)
+        ours = Measured("TimerServer (10 ms scan, stacks dumped)", s["etk"])
+        for kind, name in (("local", "LocalTimerServer"), ("file", "FileTimerServer")):
+            interval = f"{intervals[kind]:g} s" + (" (default)" if default else "")
+            rows.append(Comparison({"measure": "latency", "form": "-", "server interval": interval},
+                                   ours, Measured(name, s[kind])))
+    return rows
+
+
+def run(cfg: RunConfig) -> BenchResult:
+    import tempfile
+
+    import torch.distributed.elastic.timer  # noqa: F401  (import once, before any fork)
+
+    pids: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="etk-bench-timer-") as tmp:
+        latency = _latency(cfg, tmp, pids)
+        cost = _cost(cfg, tmp, pids)
+    rows = cost + latency
+    notes = [
+        "Both measures are lower-is-better, so one unit is not enough: cost rows are ns per "
+        "acquire+release pair, latency rows are ms from deadline to the worker's death. The "
+        "table's unit column reads 'ns or ms' accordingly.",
+        f"Latency workers take a {0.05 if cfg.quick else 0.2:g} s timer; torch's default-interval "
+        f"rows have {DEFAULT_ROUNDS} samples each (a LocalTimerServer sample lasts a minute).",
+    ]
+    if cfg.quick:
+        notes.append("quick mode: torch's default check intervals (60 s and 10 s) are not run.")
+    return BenchResult(
+        name="timer", title=TITLE, description=__doc__ or "", unit="ns (cost) or ms (latency)",
+        higher_is_better=False, rows=rows, notes=notes,
+        params={"long_timer_s": LONG, "latency_after_s": 0.05 if cfg.quick else 0.2,
+                "default_rounds": DEFAULT_ROUNDS},
+        pids=pids,
+    )
+

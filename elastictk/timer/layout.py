@@ -1,0 +1,133 @@
+"""The shared-memory contract between a worker's timers and the agent's reaper.
+
+The agent creates one anonymous shared file (``memfd``) per worker group holding
+``local_world_size`` regions, one per local rank, and tells its workers where it is with
+``ELASTICTK_TIMER_REGIONS=/proc/<agent pid>/fd/<fd>``. Nothing is ever created in ``/dev/shm``:
+the memory goes away with the last process that maps it, even if the agent is SIGKILLed.
+
+A worker maps only its own region and writes it without a syscall or a lock; the agent scans
+all regions. Region layout (native byte order, every field aligned so that each is written by
+one aligned store)::
+
+    0     magic            b"ETKTIMR1" (written by the agent; the worker checks it)
+    8     version          u32 | slot count u32
+    16    dump signal      u32 (written by the agent) | stacks fd u32 (by the worker)
+    24    owner pid        u64 (written by the worker once it has claimed the region)
+    32    main thread id   u64 (pthread id of the owner's main thread, to find it in a dump)
+    40    scope table len  u64 (bytes of the scope table in use)
+    64    slots            SLOTS x u64 timer words
+    1024  scope table      "name\\n" entries; an entry's index is its scope id
+
+A timer word packs a whole timer into 64 bits, so it is written by ONE aligned 8-byte store and
+a reader never sees half of one (no seqlock, no sequence counter to bump)::
+
+    word = round_up(deadline_ns, 2**16) | scope_id        (0 = slot free)
+
+``deadline_ns`` is ``CLOCK_MONOTONIC`` in nanoseconds, which on Linux is one clock for every
+process of the host, so the worker's deadline and the agent's "now" compare directly. Rounding
+the deadline up to 65.5 µs frees the low 16 bits for the scope id; a timer therefore fires at
+most 65.5 µs later than asked, far below the reaper's ~10 ms scan period. A slot only ever
+goes free -> armed -> free (CPython's ``pack_into`` zeroes the field, then stores the value), so
+a scan may miss a timer armed that instant (the next scan sees it) but never acts on a mixed
+word; the agent still re-reads an expired word before acting, in case a platform splits stores.
+
+A worker claims its region with a POSIX record lock on the region's bytes (released by the
+kernel when the process dies, never inherited by its children), so two processes that both
+inherited the environment cannot share one region. Its stack dumps go to a memfd of its own
+(``stacks fd``), which faulthandler writes when the agent sends the dump signal and the agent
+reads through ``/proc/<owner pid>/fd/<stacks fd>`` before it kills the worker.
+"""
+from __future__ import annotations
+
+import signal
+import struct
+from typing import Optional
+
+MAGIC = b"ETKTIMR1"
+VERSION = 1
+REGION_SIZE = 16384  # four pages: an mmap offset must be page aligned
+SLOTS = 120
+SLOTS_OFFSET = 64
+TABLE_OFFSET = 1024
+TABLE_SIZE = REGION_SIZE - TABLE_OFFSET
+MAX_SCOPE_BYTES = 200  # longer scope names are cut (on a UTF-8 boundary)
+UNKNOWN_SCOPE = 0xFFFF  # the scope id of a name that did not fit in the table
+
+OFF_MAGIC = 0
+OFF_VERSION = 8
+OFF_SIGNAL = 16
+OFF_STACKS_FD = 20
+OFF_OWNER = 24
+OFF_MAIN_THREAD = 32
+OFF_TABLE_LEN = 40
+
+SCOPE_BITS = 16
+SCOPE_MASK = (1 << SCOPE_BITS) - 1
+DEADLINE_MASK = ~SCOPE_MASK & 0xFFFF_FFFF_FFFF_FFFF
+
+# Environment the agent gives its workers (the whole interface of a worker to the timers).
+ENV_REGIONS = "ELASTICTK_TIMER_REGIONS"
+ENV_COLLECTIVE_TIMEOUT = "ELASTICTK_COLLECTIVE_TIMEOUT"
+STACKS_MEMFD_NAME = "elastictk-stacks"
+# A real-time signal: no library uses one by convention (SIGUSR1/2 often mean "checkpoint now"
+# to training scripts), and the agent never forwards it to workers.
+DEFAULT_DUMP_SIGNAL = int(signal.SIGRTMIN) + 7
+
+U32 = struct.Struct("@I")
+U64 = struct.Struct("@Q")
+SLOT_ARRAY = struct.Struct(f"@{SLOTS}Q")
+# magic, version, slots, dump signal, stacks fd, owner, main thread, table length
+HEADER = struct.Struct("@8sIIIIQQQ")
+
+
+def slot_offsets() -> list[int]:
+    """Byte offsets of the slots, as a stack whose ``pop()`` hands out the lowest first (so a
+    worker's timers cluster at the start of its region)."""
+    return [SLOTS_OFFSET + 8 * i for i in reversed(range(SLOTS))]
+
+
+def encode(deadline_ns: int, scope_id: int) -> int:
+    """The word of a timer; never 0 for a real deadline (the monotonic clock is > 2**16 ns)."""
+    return ((deadline_ns + SCOPE_MASK) & DEADLINE_MASK) | (scope_id & SCOPE_MASK)
+
+
+def decode(word: int) -> tuple[int, int]:
+    """``(deadline_ns, scope_id)`` of a non-zero word."""
+    return word & DEADLINE_MASK, word & SCOPE_MASK
+
+
+def init_region(buf: memoryview, offset: int, dump_signal: int) -> None:
+    """Write a fresh header (and zero the rest) for the region at ``offset``: what the agent
+    does before any worker of an attempt starts."""
+    buf[offset:offset + REGION_SIZE] = bytes(REGION_SIZE)
+    HEADER.pack_into(buf, offset, MAGIC, VERSION, SLOTS, dump_signal, 0, 0, 0, 0)
+
+
+def stacks_path(owner_pid: int, stacks_fd: int) -> str:
+    return f"/proc/{owner_pid}/fd/{stacks_fd}"
+
+
+def check_header(buf: memoryview) -> Optional[str]:
+    """None if ``buf`` starts with a region this code understands, else what is wrong."""
+    magic, version, slots = HEADER.unpack_from(buf, 0)[:3]
+    if magic != MAGIC:
+        return "it is not an elastictk timer region (bad magic)"
+    if version != VERSION or slots != SLOTS:
+        return (f"it has layout version {version} with {slots} slots, this elastictk expects "
+                f"version {VERSION} with {SLOTS}; the agent and the worker run different "
+                "elastictk versions")
+    return None
+
+
+def encode_scope(name: str) -> bytes:
+    """A table entry: the name, one line, at most ``MAX_SCOPE_BYTES`` of UTF-8."""
+    raw = name.replace("\n", " ").encode("utf-8", "backslashreplace")
+    if len(raw) > MAX_SCOPE_BYTES:
+        raw = raw[:MAX_SCOPE_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return raw + b"\n"
+
+
+def decode_table(raw: bytes) -> list[str]:
+    """Scope names by id, from the bytes of a table."""
+    # Every entry ends with "\n"; anything after the last one is an entry still being written.
+    return raw.decode("utf-8", "replace").split("\n")[:-1]

@@ -1,0 +1,440 @@
+"""The agent's side of the timers: scan the workers' regions, reap a worker whose timer expired.
+
+How an agent uses it (one server per worker group, for the agent's whole life)::
+
+    server = TimerServer(spec.local_world_size, on_expiry=lambda e: group.wake())
+    spec = replace(spec, env={**spec.env, **server.worker_env(collective_timeout=300)})
+    group = WorkerGroup(spec, log_dir)
+    ...                                      # every attempt:
+    group.start(attempt, assignment)
+    server.watch(group.pids(), ranks={lr: assignment.global_rank(lr) for lr in group.pids()},
+                 report_dir=group.attempt_dir)
+    ...                                      # a failed worker? server.expiries() says if it hung
+    group.stop()
+    server.unwatch()
+    ...
+    server.close()
+
+Reaping, in order: see a deadline pass (a scan every ``scan_interval``, or sooner when a known
+deadline is due), read the word again to be sure, check that the process is still the one
+registered (pidfd + start time), send the dump signal (plus SIGCONT if the worker is stopped,
+so it can run the handler), wait until the dump stops growing (at most ``dump_timeout``), write
+the hang report, hand the :class:`Expiry` to the agent, then SIGKILL. Several workers expiring
+together are dumped together. A worker is reaped at most once per ``watch``.
+
+The periodic scan is the price of a free hot path: the worker tells nobody when it arms a timer
+(that would be a syscall), so the agent has to look. A scan of an idle region is one comparison
+of 960 bytes against zeros.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Union
+
+from . import layout as L
+from .boot import worker_env
+from .expiry import Expiry, report_file, write_report
+from .proc import ProcessHandle, in_tree, signal_state
+from .stacks import culprit, parse
+
+log = logging.getLogger("elastictk.timer")
+
+# A scan reads the first _HEAD slots (where a worker's timers cluster: the free list hands out
+# the lowest slot first) and checks the rest against zeros, decoding it only when in use.
+_HEAD = 8
+_HEAD_ARRAY = struct.Struct(f"@{_HEAD}Q")
+_ZERO_SLOTS = bytes(L.TABLE_OFFSET - L.SLOTS_OFFSET)
+_ZERO_TAIL = bytes(L.TABLE_OFFSET - L.SLOTS_OFFSET - 8 * _HEAD)
+_POLL = 0.001  # how often the dump wait looks at the worker
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    rank: int
+    handle: ProcessHandle
+    report_dir: Optional[Path]
+    owner: Optional[ProcessHandle] = None  # a descendant that claimed the region, if not the worker
+    refused_owner: int = 0  # an owner PID outside the worker's tree (warned about once)
+    done: bool = False  # reaped or dropped: not scanned again until the next watch
+
+
+@dataclass
+class _Victim:
+    worker: _Worker
+    target: ProcessHandle
+    expired: list[tuple[int, int]]  # (scope id, deadline ns), earliest first
+    armed: list[tuple[int, int]]
+    names: list[str]
+    main_thread: int
+    stacks_fd: Optional[int] = None
+    blocked_before: Optional[frozenset[int]] = None  # threads that blocked the dump signal
+    size0: int = 0
+    last_size: int = 0
+    last_change: float = 0.0
+    note: str = ""
+    done: bool = False
+    text: str = field(default="", repr=False)
+
+
+class TimerServer:
+    """Watches the timer regions of one worker group's ``local_world_size`` workers.
+
+    ``on_expiry`` is called on the server's thread with each :class:`Expiry`, after the report
+    is written and before the worker is killed; keep it quick (``group.wake`` is ideal). The
+    same expiries queue up for :meth:`expiries`.
+    """
+
+    def __init__(
+        self,
+        local_world_size: int,
+        *,
+        on_expiry: Optional[Callable[[Expiry], None]] = None,
+        scan_interval: float = 0.01,
+        dump_timeout: float = 1.0,
+        dump_quiet: float = 0.02,
+        dump_signal: int = L.DEFAULT_DUMP_SIGNAL,
+    ) -> None:
+        if not isinstance(local_world_size, int) or local_world_size < 1:
+            raise ValueError(f"local_world_size must be an integer >= 1, got {local_world_size!r}")
+        if not 0 < scan_interval <= 10:
+            raise ValueError(f"scan_interval {scan_interval!r} must be in (0, 10] seconds")
+        if dump_timeout < 0 or dump_quiet < 0:
+            raise ValueError("dump_timeout and dump_quiet must be >= 0 seconds")
+        if dump_signal not in signal.valid_signals():
+            raise ValueError(f"dump_signal {dump_signal!r} is not a signal number")
+        if dump_signal in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError("the dump signal cannot be SIGKILL or SIGSTOP (no handler can run)")
+        self.local_world_size = local_world_size
+        self.scan_interval = scan_interval
+        self.dump_timeout = dump_timeout
+        self.dump_quiet = dump_quiet
+        self.dump_signal = int(dump_signal)
+        self._on_expiry = on_expiry
+        self._fd = os.memfd_create("elastictk-timer", os.MFD_CLOEXEC)
+        size = local_world_size * L.REGION_SIZE
+        os.ftruncate(self._fd, size)
+        self._mmap = mmap.mmap(self._fd, size)
+        self._buf = memoryview(self._mmap)
+        for lr in range(local_world_size):
+            L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal)
+        #: What workers open; valid while this server (and so this process) lives.
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self._lock = threading.RLock()
+        self._workers: dict[int, _Worker] = {}
+        self._queue: list[Expiry] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.stats = {"scans": 0, "expired": 0, "killed": 0, "dropped_exited": 0,
+                      "dropped_stale": 0, "refused_owner": 0}
+
+    # -- the agent's calls -----------------------------------------------------------------
+    def worker_env(self, *, collective_timeout: Optional[float] = None,
+                   base_env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """Variables to add to every worker's environment (``WorkerSpec.env``)."""
+        return worker_env(self.path, collective_timeout=collective_timeout, base_env=base_env)
+
+    def start(self) -> None:
+        """Start the reaper thread (``watch`` does it too). Idempotent."""
+        self._check_open()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="elastictk-timer-reaper",
+                                            daemon=True)
+            self._thread.start()
+
+    def watch(self, pids: Mapping[int, int], *, ranks: Optional[Mapping[int, int]] = None,
+              report_dir: Union[str, Path, None] = None) -> None:
+        """Watch the workers of an attempt: local rank -> PID (``group.pids()``), their global
+        ranks (default: the local rank), and where hang reports go (the attempt's log dir)."""
+        for lr, pid in pids.items():
+            self.watch_worker(lr, pid, rank=(ranks or {}).get(lr, lr), report_dir=report_dir)
+
+    def watch_worker(self, local_rank: int, pid: int, *, rank: Optional[int] = None,
+                     start_time: Optional[int] = None,
+                     report_dir: Union[str, Path, None] = None) -> None:
+        """Watch one worker. ``start_time`` (``/proc`` clock ticks) pins the process; by default
+        it is read now, which is right while the agent has not reaped the worker yet."""
+        self._check_open()
+        if not 0 <= local_rank < self.local_world_size:
+            raise ValueError(f"local rank {local_rank} is outside 0..{self.local_world_size - 1}")
+        handle = ProcessHandle(pid, start_time)
+        with self._lock:
+            old = self._workers.pop(local_rank, None)
+            if old is not None:
+                self._close_worker(old)
+            self._workers[local_rank] = _Worker(
+                local_rank, local_rank if rank is None else rank, handle,
+                Path(report_dir) / str(local_rank) if report_dir is not None else None)
+        self.start()
+
+    def unwatch(self) -> None:
+        """Forget the attempt's workers and clear their regions; call after ``group.stop()``
+        (no worker may still be writing) and before the next ``start``."""
+        with self._lock:
+            for w in self._workers.values():
+                self._close_worker(w)
+            self._workers.clear()
+            for lr in range(self.local_world_size):
+                L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal)
+
+    def expiries(self) -> list[Expiry]:
+        """The expiries since the last call (oldest first)."""
+        with self._lock:
+            out, self._queue = self._queue, []
+        return out
+
+    def close(self) -> None:
+        """Stop the thread and free the regions. Idempotent."""
+        if self._closed:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.dump_timeout + 5)
+        with self._lock:
+            self._closed = True
+            for w in self._workers.values():
+                self._close_worker(w)
+            self._workers.clear()
+            self._buf.release()
+            self._mmap.close()
+            os.close(self._fd)
+
+    def __enter__(self) -> "TimerServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the timer server is closed; create a new one")
+
+    @staticmethod
+    def _close_worker(w: _Worker) -> None:
+        w.handle.close()
+        if w.owner is not None:
+            w.owner.close()
+
+    # -- scanning --------------------------------------------------------------------------
+    def _run(self) -> None:
+        wait = self.scan_interval
+        while not self._stop.wait(wait):
+            try:
+                wait = self._scan()
+            except Exception:  # noqa: BLE001 - the reaper must outlive one bad scan
+                log.exception("timer scan failed")
+                wait = self.scan_interval
+
+    def _scan(self) -> float:
+        """One pass; the seconds until the next is due (sooner if a deadline is near)."""
+        with self._lock:
+            if self._closed:
+                return self.scan_interval
+            self.stats["scans"] += 1
+            now = time.monotonic_ns()
+            due, soonest = [], None
+            for w in self._workers.values():
+                if w.done:
+                    continue
+                slots = w.local_rank * L.REGION_SIZE + L.SLOTS_OFFSET
+                words = _HEAD_ARRAY.unpack_from(self._mmap, slots)
+                if self._mmap[slots + 8 * _HEAD:slots + len(_ZERO_SLOTS)] != _ZERO_TAIL:
+                    words = L.SLOT_ARRAY.unpack_from(self._mmap, slots)
+                earliest = min((x & L.DEADLINE_MASK for x in words if x), default=None)
+                if earliest is None:
+                    continue
+                if earliest <= now:
+                    due.append(w)
+                elif soonest is None or earliest < soonest:
+                    soonest = earliest
+            if due:
+                self._reap(due, now)
+        if soonest is None:
+            return self.scan_interval
+        return min(self.scan_interval, max(0.0005, (soonest - time.monotonic_ns()) / 1e9))
+
+    def _region(self, w: _Worker) -> tuple[int, int, int, int, list[str]]:
+        """Header fields of a worker's region: owner, stacks fd, main thread, table names."""
+        base = w.local_rank * L.REGION_SIZE
+        (_, _, _, _, stacks_fd, owner, thread, table_len) = L.HEADER.unpack_from(self._buf, base)
+        table_len = min(table_len, L.TABLE_SIZE)
+        start = base + L.TABLE_OFFSET
+        names = L.decode_table(bytes(self._buf[start:start + table_len]))
+        return base, owner, stacks_fd, thread, names
+
+    def _target(self, w: _Worker, owner: int) -> Optional[ProcessHandle]:
+        """The process to dump and kill: the worker, or the descendant that owns its region."""
+        if owner == w.handle.pid:
+            return w.handle
+        if w.owner is not None and w.owner.pid == owner:
+            return w.owner
+        if owner and owner != os.getpid() and in_tree(owner, w.handle.pid):
+            try:
+                w.owner = ProcessHandle(owner)
+                return w.owner
+            except ValueError:
+                pass
+        if w.refused_owner != owner:
+            w.refused_owner = owner
+            self.stats["refused_owner"] += 1
+            log.warning("timer region of local rank %d is owned by pid %d, which is not worker "
+                        "pid %d or one of its descendants; its timers are ignored",
+                        w.local_rank, owner, w.handle.pid)
+        return None
+
+    def _reap(self, due: list[_Worker], now: int) -> None:
+        victims: list[_Victim] = []
+        for w in due:
+            base, owner, stacks_fd, thread, names = self._region(w)
+            target = self._target(w, owner)
+            if target is None:
+                continue
+            first = L.SLOT_ARRAY.unpack_from(self._buf, base + L.SLOTS_OFFSET)
+            again = L.SLOT_ARRAY.unpack_from(self._buf, base + L.SLOTS_OFFSET)
+            armed = []  # (scope id, deadline ns) of words read the same twice
+            for x, y in zip(first, again):
+                if x and x == y:
+                    deadline, sid = L.decode(x)
+                    armed.append((sid, deadline))
+            armed.sort(key=lambda e: e[1])
+            expired = [(sid, d) for sid, d in armed if d <= now]
+            if not expired:
+                continue  # released (or re-armed) just now
+            if target.exited():
+                self.stats["dropped_exited"] += 1
+                log.info("dropping expired timers of local rank %d: pid %d has exited",
+                         w.local_rank, target.pid)
+                w.done = True
+                continue
+            if not target.same_process():
+                self.stats["dropped_stale"] += 1
+                log.warning("not reaping local rank %d: pid %d is no longer the process that "
+                            "was registered (start time changed)", w.local_rank, target.pid)
+                w.done = True
+                continue
+            v = _Victim(w, target, expired, armed, names, thread)
+            self._open_stacks(v, stacks_fd)
+            victims.append(v)
+        if not victims:
+            return
+        for v in victims:
+            v.worker.done = True
+            if v.stacks_fd is None:
+                continue
+            state = signal_state(v.target.pid, self.dump_signal)
+            v.blocked_before = None if state is None else state[1]
+            v.target.send(self.dump_signal)
+            if v.target.state() in ("T", "t"):
+                v.target.send(signal.SIGCONT)  # a stopped process runs no handler
+        self._await_dumps(victims)
+        for v in victims:
+            self._finish(v, now)
+
+    def _open_stacks(self, v: _Victim, stacks_fd: int) -> None:
+        """Open the owner's stack memfd ourselves: it then outlives the SIGKILL."""
+        path = L.stacks_path(v.target.pid, stacks_fd)
+        try:
+            if not os.readlink(path).startswith(f"/memfd:{L.STACKS_MEMFD_NAME}"):
+                v.note = f"fd {stacks_fd} of pid {v.target.pid} is no longer the stack dump file"
+                return
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            v.note = f"cannot open the stack dump of pid {v.target.pid}: {e.strerror}"
+            return
+        v.stacks_fd = fd
+        v.size0 = v.last_size = os.fstat(fd).st_size
+
+    def _await_dumps(self, victims: list[_Victim]) -> None:
+        """Until every dump is complete, the process died, or ``dump_timeout`` passed.
+
+        Complete means the handler returned (see ``proc.signal_state``); where ``/proc`` cannot
+        tell, or a thread that blocks the signal appeared meanwhile, a dump that grew and then
+        stayed unchanged for ``dump_quiet`` counts as complete.
+        """
+        start = time.monotonic()
+        for v in victims:
+            v.last_change = start
+            v.done = v.stacks_fd is None
+        while not all(v.done for v in victims):
+            if time.monotonic() - start >= self.dump_timeout:
+                for v in victims:
+                    if not v.done and v.last_size == v.size0:
+                        v.note = f"no stack dump within {self.dump_timeout:g} s"
+                break
+            time.sleep(_POLL)
+            now = time.monotonic()
+            for v in victims:
+                if not v.done:
+                    self._check_dump(v, now)
+
+    def _check_dump(self, v: _Victim, now: float) -> None:
+        size = os.fstat(v.stacks_fd).st_size  # type: ignore[arg-type]
+        if size != v.last_size:
+            v.last_size, v.last_change = size, now
+        if v.target.exited():
+            v.done = True
+            if size == v.size0:
+                v.note = "the process exited before it dumped its stacks"
+            return
+        if v.blocked_before is not None:
+            state = signal_state(v.target.pid, self.dump_signal)
+            if state is not None and not state[0] and not (state[1] - v.blocked_before):
+                v.done = True
+                return
+        if size > v.size0 and now - v.last_change >= self.dump_quiet:
+            v.done = True
+
+    def _finish(self, v: _Victim, now: int) -> None:
+        w = v.worker
+        if v.stacks_fd is not None:
+            try:
+                size = os.fstat(v.stacks_fd).st_size
+                v.text = os.pread(v.stacks_fd, max(0, size - v.size0), v.size0).decode(
+                    "utf-8", "replace")
+            finally:
+                os.close(v.stacks_fd)
+                v.stacks_fd = None
+        sid, deadline = v.expired[0]
+        scope = _name(v.names, sid)
+        _, frame = culprit(parse(v.text), scope, v.main_thread)
+        expiry = Expiry(
+            local_rank=w.local_rank, rank=w.rank, pid=v.target.pid, scope=scope,
+            deadline=deadline / 1e9, detected_at=now / 1e9, wall_time=time.time(),
+            where=frame.short() if frame is not None else None, stacks=v.text,
+            stacks_note=v.note or ("" if v.text.strip() else "the stack dump was empty"),
+            held=tuple((_name(v.names, s), (now - d) / 1e9) for s, d in v.armed),
+            report_path=str(report_file(w.report_dir)) if w.report_dir is not None else None,
+        )
+        # The agent learns why before it sees the exit; the files follow the kill, which
+        # should not wait for a disk.
+        self.stats["expired"] += 1
+        self._queue.append(expiry)
+        if self._on_expiry is not None:
+            try:
+                self._on_expiry(expiry)
+            except Exception:  # noqa: BLE001 - the kill below must happen regardless
+                log.exception("on_expiry callback failed")
+        if v.target.send(signal.SIGKILL):
+            self.stats["killed"] += 1
+        if w.report_dir is not None:
+            try:
+                write_report(expiry, w.report_dir)
+            except OSError as e:
+                log.warning("cannot write the hang report of rank %d to %s: %s", w.rank,
+                            w.report_dir, e)
+        log.warning("%s", expiry.describe())
+
+
+def _name(names: list[str], sid: int) -> str:
+    if sid < len(names):
+        return names[sid]
+    return "an unnamed scope" if sid == L.UNKNOWN_SCOPE else f"scope #{sid}"

@@ -20,6 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
+try:  # step counts and goodput for elastictk-run --metrics-port; a no-op anywhere else
+    import elastictk.metrics as etm
+except ImportError:  # pragma: no cover - the script also runs where elastictk is not installed
+    etm = None
+
 FEATURES = 16
 GLOBAL_BATCH = 32
 
@@ -94,8 +99,12 @@ def main() -> None:
         if args.step_time:
             time.sleep(args.step_time)
         print(f"[rank {rank}] step {step + 1} loss {loss.item() * world:.6f}", flush=True)
+        if etm is not None:
+            etm.step()
         if rank == 0 and (step + 1) % args.ckpt_every == 0:
             save(ckpt, step + 1, model, opt)
+        if etm is not None and (step + 1) % args.ckpt_every == 0:
+            etm.checkpoint()  # every rank: the steps so far survive a restart
     dist.barrier()
     if rank == 0:
         print(f"final checksum {checksum(model)} after {args.steps} steps", flush=True)

@@ -3,7 +3,8 @@
 The centrepiece is a real gloo job of three workers started by a real ``WorkerGroup`` with the
 environment a ``TimerServer`` asks for: one rank freezes (SIGSTOP) mid-training, the other two
 hang in ``all_reduce`` (one synchronously, one in ``Work.wait()`` of an async op), their
-collective timers fire, the reaper dumps and kills them, and the group sees the kills.
+collective timers fire, the reaper dumps and kills them, and the group sees the kills. The
+group then restarts (the same regions, reset, serve the new workers) and the job finishes.
 """
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ TRAIN = textwrap.dedent("""\
         rank = dist.get_rank()
         t = torch.ones(8)
         dist.all_reduce(t)  # every rank gets here: a healthy step
-        if rank == 2:
-            os.kill(os.getpid(), signal.SIGSTOP)  # a frozen peer
+        if rank == 2 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            os.kill(os.getpid(), signal.SIGSTOP)  # a frozen peer, in the first attempt only
         if rank == 1:
             work = dist.all_reduce(t, async_op=True)
             work.wait()  # RANK 1 STUCK
         else:
             dist.all_reduce(t)  # RANK 0 STUCK
-        print("never reached", flush=True)
+        print("finished", t[0].item(), flush=True)
 
     main()
 """)
@@ -47,7 +48,7 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(TRAIN.splitlines(), 1) if marker in text)
 
 
-def test_a_frozen_peer_gets_the_ranks_stuck_in_collectives_dumped_and_killed(
+def test_a_frozen_peer_gets_the_ranks_stuck_in_collectives_dumped_killed_and_restarted(
         tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -79,13 +80,28 @@ def test_a_frozen_peer_gets_the_ranks_stuck_in_collectives_dumped_and_killed(
             assert e.pid == group.pids()[lr]
             report = group.attempt_dir / str(lr) / "timer_expired.txt"  # type: ignore[operator]
             assert e.report_path == str(report) and e.headline() in report.read_text()
+
+        # What an agent does next: stop the attempt, reset the timers, restart, re-watch.
+        group.stop(grace=1.0)  # SIGKILLs the frozen rank, which had no timer running
+        assert server.stats["killed"] == 2
+        server.unwatch()
+        again = Assignment.homogeneous(0, 1, 3, master_addr="127.0.0.1", master_port=free_port(),
+                                       run_id="hang", restart_count=1)
+        group.start(1, again)
+        server.watch(group.pids(), report_dir=group.attempt_dir)
+        results = group.wait(timeout=120)
+        assert {lr: r.exitcode for lr, r in results.items()} == {0: 0, 1: 0, 2: 0}, [
+            (tmp_path / "logs" / "hang" / "attempt_1" / str(lr) / "stderr.log").read_text()
+            for lr in range(3)]
+        for lr in range(3):
+            out = group.attempt_dir / str(lr) / "stdout.log"  # type: ignore[operator]
+            assert "finished" in out.read_text()
+        assert server.expiries() == [] and server.stats["killed"] == 2
     finally:
         group.stop(grace=1.0)
         server.unwatch()
         group.close()
         server.close()
-    # The frozen rank had no timer running; it was stopped with the group, not by the reaper.
-    assert server.stats["killed"] == 2
 
 
 def _python(code: str, env: dict[str, str],

@@ -25,13 +25,15 @@ from elastictk.timer.stacks import Frame, ThreadStack, culprit, parse
 SCOPES = ["all_reduce", "barrier", "step", "load", "ünïcode scope"]
 
 
-@given(st.integers(min_value=1 << 20, max_value=(1 << 63)), st.integers(0, L.SCOPE_MASK))
-def test_a_word_holds_a_deadline_rounded_up_and_the_scope(deadline: int, sid: int) -> None:
-    word = L.encode(deadline, sid)
+@given(st.integers(min_value=0, max_value=1 << 60), st.integers(0, 10**18),
+       st.integers(0, L.SCOPE_MASK))
+def test_a_word_holds_the_deadline_and_the_scope(now: int, after: int, sid: int) -> None:
+    word = L.arm(now, L.timer_constant(after, sid))
     assert word != 0 and 0 <= word < 1 << 64
-    got, got_sid = L.decode(word)
+    deadline, got_sid = L.decode(word)
     assert got_sid == sid
-    assert deadline <= got < deadline + (1 << L.SCOPE_BITS)  # never early, < 65.5 µs late
+    # never early, at most two 65.5 µs steps late
+    assert now + after <= deadline <= now + after + 2 * (1 << L.SCOPE_BITS)
 
 
 @given(st.lists(st.text(max_size=300), max_size=30))
@@ -90,21 +92,21 @@ def test_the_region_always_shows_exactly_the_held_timers(
     srv, view = region
     timer.detach()
     timer.attach(srv.path, 0)
-    held: dict[int, tuple[timer.expires, int, int, str]] = {}  # id -> (timer, lo, hi, scope)
-    idle: list[tuple[timer.expires, str, float]] = []
+    held: dict[int, tuple[timer.Timer, int, int, str]] = {}  # id -> (timer, lo, hi, scope)
+    idle: list[tuple[timer.Timer, str, float]] = []
     try:
         for op in ops:
             if op[0] == "acquire":
                 _, after, scope = op
                 lo = time.monotonic_ns() + int(after * 1e9)
                 t = timer.acquire(after, scope)
-                hi = time.monotonic_ns() + int(after * 1e9) + (1 << L.SCOPE_BITS)
+                hi = time.monotonic_ns() + int(after * 1e9) + 2 * (1 << L.SCOPE_BITS)
                 held[id(t)] = (t, lo, hi, scope)
             elif op[0] in ("release", "release_twice") and held:
                 t, _, _, scope = list(held.values())[op[1] % len(held)]
                 timer.release(t)  # any order, not only innermost first
                 del held[id(t)]
-                idle.append((t, scope, (t._add - 0xFFFF) / 1e9))
+                idle.append((t, scope, t.after))
                 if op[0] == "release_twice":
                     with pytest.raises(TimerError):
                         timer.release(t)
@@ -112,7 +114,7 @@ def test_the_region_always_shows_exactly_the_held_timers(
                 t, scope, after = idle.pop(op[1] % len(idle))
                 lo = time.monotonic_ns() + int(after * 1e9)
                 t.acquire()
-                hi = time.monotonic_ns() + int(after * 1e9) + (1 << L.SCOPE_BITS)
+                hi = time.monotonic_ns() + int(after * 1e9) + 2 * (1 << L.SCOPE_BITS)
                 held[id(t)] = (t, lo, hi, scope)
             words = armed(view)
             assert len(words) == len(held)

@@ -20,21 +20,13 @@ from typing import Any
 
 from .boot import SITE_DIR, activate_from_env
 from .client import (
-    TimerError,
-    acquire,
-    attach,
-    detach,
-    expires,
-    release,
-    scope_id,
-    status,
-    timed,
+    Timer, TimerError, acquire, attach, detach, expires, release, scope_id, status, timed,
 )
 from .collectives import unwatch_collectives, watch_collectives, watching
 from .layout import DEFAULT_DUMP_SIGNAL, ENV_COLLECTIVE_TIMEOUT, ENV_REGIONS
 
 __all__ = [
-    "expires", "acquire", "release", "timed", "attach", "detach", "status", "scope_id",
+    "expires", "Timer", "acquire", "release", "timed", "attach", "detach", "status", "scope_id",
     "TimerError",
     "watch_collectives", "unwatch_collectives", "watching", "activate_from_env", "SITE_DIR",
     "ENV_REGIONS", "ENV_COLLECTIVE_TIMEOUT", "DEFAULT_DUMP_SIGNAL",

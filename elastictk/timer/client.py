@@ -62,7 +62,6 @@ _table_full = False
 
 _pack = L.U64.pack_into
 _mono = time.monotonic_ns
-_MASK = L.DEADLINE_MASK
 
 
 class TimerError(RuntimeError):
@@ -71,36 +70,20 @@ class TimerError(RuntimeError):
 
 
 # -- the hot path -----------------------------------------------------------------------------
-class expires:
-    """A deadline ``after`` seconds from entering, named ``scope`` in reports.
+class Timer:
+    """One timer, made by :func:`expires`: a context manager, a decorator, or explicit
+    (``t.acquire(); ...; t.release()``).
 
-    A context manager (``with expires(5, "load"):``), a decorator (``@expires(5)``), or explicit
-    (``t = expires(5).acquire(); ...; t.release()``). One object is one timer: it may be entered
-    again after it was left (reuse saves its construction), but not while it runs; nesting and
-    threads need one object each. ``scope`` defaults to ``file.py:line`` of the ``with`` (or the
-    function's qualified name for the decorator). Scopes should be a small set of names: each
-    new name costs a table entry in the shared region.
+    It may be entered again after it was left (reuse saves its construction), but not while it
+    runs; nesting and threads need one object each.
     """
 
-    __slots__ = ("_add", "_sid", "_slot", "_scope")
+    __slots__ = ("_k", "_slot", "_scope")
+    _k: int  # the word constant: (now | 0xFFFF) + _k is the armed word (layout.timer_constant)
+    _slot: int  # offset of the slot while running, else -1
+    _scope: Optional[str]  # the scope as given (None: named after the call site / function)
 
-    def __init__(self, after: float, scope: Optional[str] = None) -> None:
-        if not 0 <= after <= MAX_AFTER:
-            raise TimerError(f"after={after!r}: a timer needs 0 <= after <= {MAX_AFTER:.0e} "
-                             "seconds")
-        # +0xFFFF: round the deadline up, never down, when its low bits make room for the scope.
-        self._add = int(after * 1e9) + 0xFFFF
-        if scope is None:
-            self._sid = _site_scope(sys._getframe(1))
-        else:
-            try:
-                self._sid = _sids[scope]
-            except KeyError:
-                self._sid = scope_id(scope)
-        self._scope = scope
-        self._slot = -1
-
-    def __enter__(self) -> "expires":
+    def __enter__(self) -> "Timer":
         if self._slot >= 0:
             raise TimerError("this timer is already running; use one expires() object per "
                              "concurrent or nested region")
@@ -108,7 +91,7 @@ class expires:
             slot = _free.pop()
         except IndexError:
             slot = _take_slot_slow()
-        _pack(_buf, slot, (_mono() + self._add) & _MASK | self._sid)
+        _pack(_buf, slot, (_mono() | 0xFFFF) + self._k)
         self._slot = slot
         return self
 
@@ -132,14 +115,21 @@ class expires:
         return self._slot >= 0
 
     @property
+    def after(self) -> float:
+        """The length in seconds (rounded up to 65.5 µs)."""
+        return ((self._k - 1) & L.DEADLINE_MASK) / 1e9
+
+    @property
     def scope(self) -> str:
-        return _names[self._sid] if self._sid < len(_names) else f"scope #{self._sid}"
+        sid = (self._k - 1) & L.SCOPE_MASK
+        return _names[sid] if sid < len(_names) else f"scope #{sid}"
 
     def __call__(self, fn: F) -> F:
         """Decorator: every call of ``fn`` runs under a fresh timer of this length."""
-        add = self._add
-        sid = self._sid if self._scope is not None else scope_id(
-            getattr(fn, "__qualname__", None) or repr(fn))
+        k = self._k
+        if self._scope is None:  # named after the function, not the decorator's line
+            k = k - ((k - 1) & L.SCOPE_MASK) + scope_id(
+                getattr(fn, "__qualname__", None) or repr(fn))
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -147,7 +137,7 @@ class expires:
                 slot = _free.pop()
             except IndexError:
                 slot = _take_slot_slow()
-            _pack(_buf, slot, (_mono() + add) & _MASK | sid)
+            _pack(_buf, slot, (_mono() | 0xFFFF) + k)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -158,17 +148,57 @@ class expires:
 
     def __repr__(self) -> str:
         state = "running" if self._slot >= 0 else "idle"
-        return f"<expires after={(self._add - 0xFFFF) / 1e9:g}s scope={self.scope!r} {state}>"
+        return f"<Timer after={self.after:g}s scope={self.scope!r} {state}>"
 
 
-def acquire(after: float, scope: Optional[str] = None) -> expires:
+_new = object.__new__
+_ns_of: dict[float, int] = {}  # after -> ns rounded up to 2**16 (validated); a few hundred at most
+
+
+def expires(after: float, scope: Optional[str] = None) -> Timer:
+    """A timer of ``after`` seconds from when it is entered, named ``scope`` in hang reports.
+
+    ``scope`` defaults to ``file.py:line`` of the call (for the decorator form: the function's
+    qualified name). Scopes should be a small set of names: each new one costs a table entry in
+    the shared region. A function rather than a class because, in CPython, calling a class with
+    keyword arguments builds a dict; this is on every collective's path.
+    """
+    t = _new(Timer)
+    try:
+        ns = _ns_of[after]
+    except (KeyError, TypeError):
+        ns = _after_ns(after)
+    if scope is None:
+        sid = _site_scope(sys._getframe(1))
+    else:
+        try:
+            sid = _sids[scope]
+        except (KeyError, TypeError):
+            sid = scope_id(scope)
+    t._k = ns + sid + 1
+    t._scope = scope
+    t._slot = -1
+    return t
+
+
+def _after_ns(after: float) -> int:
+    if not 0 <= after <= MAX_AFTER:
+        raise TimerError(f"after={after!r}: a timer needs 0 <= after <= {MAX_AFTER:.0e} "
+                         "seconds")
+    ns = (int(after * 1e9) + L.SCOPE_MASK) & L.DEADLINE_MASK
+    if len(_ns_of) < 1024:
+        _ns_of[after] = ns
+    return ns
+
+
+def acquire(after: float, scope: Optional[str] = None) -> Timer:
     """Start a timer now; pass the result to :func:`release` when the region is done."""
     t = expires(after, scope if scope is not None else _site_name(sys._getframe(1)))
     t.__enter__()
     return t
 
 
-def release(timer: expires) -> None:
+def release(timer: Timer) -> None:
     """End a timer from :func:`acquire`."""
     timer.release()
 

@@ -125,35 +125,36 @@ def _patch_wait(c10d: ModuleType, timeout: float) -> None:
     if work is None:
         return
     original = work.wait
-    sids: dict[Any, int] = {}
-    add = client.expires(timeout, "wait")._add
-    generic = client.scope_id("wait")
-    pack, mono, mask = client._pack, client._mono, client._MASK
+    ks: dict[Any, int] = {}  # op type -> word constant of a timer named after it
+    ns = client._after_ns(timeout)
+    generic = ns + client.scope_id("wait") + 1
+    pack, mono = client._pack, client._mono
     op_type = _op_type_enum(c10d)
 
-    def scope_of(raw: Any) -> int:
+    def k_of(raw: Any) -> int:
         op = raw
         if op_type is not None and isinstance(op, int):
             try:
                 op = op_type(op)  # torch hands back the enum's int
             except (ValueError, TypeError):
                 pass
-        sid = sids[raw] = client.scope_id(f"wait({str(getattr(op, 'name', op)).lower()})")
-        return sid
+        sid = client.scope_id(f"wait({str(getattr(op, 'name', op)).lower()})")
+        k = ks[raw] = ns + sid + 1
+        return k
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             op = self._get_op_type()
-            sid = sids.get(op)
-            if sid is None:
-                sid = scope_of(op)
+            k = ks.get(op)
+            if k is None:
+                k = k_of(op)
         except Exception:  # noqa: BLE001 - a Work without an op type is still timed
-            sid = generic
+            k = generic
         try:
             slot = client._free.pop()
         except IndexError:
             slot = client._take_slot_slow()
-        pack(client._buf, slot, (mono() + add) & mask | sid)
+        pack(client._buf, slot, (mono() | 0xFFFF) + k)
         try:
             return original(self, *args, **kwargs)
         finally:

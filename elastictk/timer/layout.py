@@ -21,12 +21,14 @@ one aligned store)::
 A timer word packs a whole timer into 64 bits, so it is written by ONE aligned 8-byte store and
 a reader never sees half of one (no seqlock, no sequence counter to bump)::
 
-    word = round_up(deadline_ns, 2**16) | scope_id        (0 = slot free)
+    word = deadline (a multiple of 2**16 ns) | scope_id       (0 = slot free)
 
-``deadline_ns`` is ``CLOCK_MONOTONIC`` in nanoseconds, which on Linux is one clock for every
-process of the host, so the worker's deadline and the agent's "now" compare directly. Rounding
-the deadline up to 65.5 µs frees the low 16 bits for the scope id; a timer therefore fires at
-most 65.5 µs later than asked, far below the reaper's ~10 ms scan period. A slot only ever
+computed by the worker as ``(now | 0xFFFF) + k`` with ``k = round_up(after, 2**16) + scope_id
++ 1`` fixed per timer: one OR and one ADD on the hot path (the carry out of the low 16 bits
+moves the deadline up one step and leaves ``scope_id`` behind). ``now`` and the deadline are
+``CLOCK_MONOTONIC`` nanoseconds, which on Linux is one clock for every process of the host, so
+the worker's deadline and the agent's "now" compare directly. A timer therefore fires between 0
+and 131 µs later than asked, far below the reaper's ~10 ms scan period. A slot only ever
 goes free -> armed -> free (CPython's ``pack_into`` zeroes the field, then stores the value), so
 a scan may miss a timer armed that instant (the next scan sees it) but never acts on a mixed
 word; the agent still re-reads an expired word before acting, in case a platform splits stores.
@@ -86,9 +88,14 @@ def slot_offsets() -> list[int]:
     return [SLOTS_OFFSET + 8 * i for i in reversed(range(SLOTS))]
 
 
-def encode(deadline_ns: int, scope_id: int) -> int:
-    """The word of a timer; never 0 for a real deadline (the monotonic clock is > 2**16 ns)."""
-    return ((deadline_ns + SCOPE_MASK) & DEADLINE_MASK) | (scope_id & SCOPE_MASK)
+def timer_constant(after_ns: int, scope_id: int) -> int:
+    """``k`` of a timer lasting ``after_ns`` in scope ``scope_id`` (see the module docstring)."""
+    return ((after_ns + SCOPE_MASK) & DEADLINE_MASK) + (scope_id & SCOPE_MASK) + 1
+
+
+def arm(now_ns: int, k: int) -> int:
+    """The word of a timer with constant ``k`` armed at ``now_ns``; never 0."""
+    return ((now_ns | SCOPE_MASK) + k) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def decode(word: int) -> tuple[int, int]:

@@ -371,10 +371,11 @@ def _latency(cfg: RunConfig, tmp: str, pids: list[int]) -> tuple[list[Comparison
             rows.append(Comparison({"measure": "latency", "form": "-", "server interval": interval},
                                    ours, Measured(name, s[kind])))
     if reaper_ms:
+        median = statistics.median(reaper_ms)
         notes.append(
             "Of elastictk's deadline-to-death latency, its reaper's part (deadline to the "
-            f"SIGKILL, stacks dumped in between) had a median of {statistics.median(reaper_ms):.1f} ms "
-            f"(max {max(reaper_ms):.1f} ms over {len(reaper_ms)} samples); the rest is the kernel "
+            f"SIGKILL, stacks dumped in between) had a median of {median:.1f} ms (max "
+            f"{max(reaper_ms):.1f} ms over {len(reaper_ms)} samples); the rest is the kernel "
             "ending a process that has torch loaded, which torch's servers pay as well.")
     return rows, notes
 

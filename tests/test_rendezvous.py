@@ -114,7 +114,7 @@ def test_last_call_then_scale_up_keeps_ranks(connect: Callable[[object], Store])
         assert watch.wait(10), "a waiting node is signalled, not polled for"
         assert "opened" in (watch.reason or "")
         assert a.num_nodes_waiting() >= 1
-        watch.stop()
+        watch.stop(wait=True)
         second = infos(join_all([a, b]))
         tc.join(30)
         second.update(infos(joined))
@@ -171,7 +171,7 @@ def test_leaving_node_is_seen_at_once(connect: Callable[[object], Store]) -> Non
         start = time.monotonic()
         assert watch.wait(10) and "lost" in (watch.reason or "")
         assert time.monotonic() - start < 5, "leaving does not wait for the heartbeat timeout"
-        watch.stop()
+        watch.stop(wait=True)
     finally:
         a.close()
         b.close()

@@ -87,8 +87,7 @@ class RendezvousHandler:
         """
         cfg = self.config
         deadline = self._clock() + cfg.join_timeout
-        if self._heartbeat is None:
-            self._heartbeat = Heartbeat(self.store, self.node_id, cfg.heartbeat_interval)
+        self.start_heartbeat()
         floor = 1
         while True:
             self._raise_if_shut_down()
@@ -114,6 +113,17 @@ class RendezvousHandler:
             # The round closed without us (we came after the closer counted, or past max):
             # we are now waiting for the next round, which num_nodes_waiting() reports.
             floor = n + 1
+
+    def start_heartbeat(self) -> None:
+        """Start heartbeating now instead of in the first :meth:`next_round`.
+
+        The heartbeat has a store connection of its own. Opening one costs a few round trips,
+        and a c10d client also looks up its socket's host name, a DNS query that a slow
+        resolver stretches to seconds; an agent that calls this while it prepares its workers
+        keeps all that off the rendezvous' critical path. Idempotent; :meth:`close` stops it.
+        """
+        if self._heartbeat is None:
+            self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval)
 
     def _open_round(self, floor: int) -> int:
         """The round to join; never below ``floor`` (a round that already closed without us)."""
@@ -145,7 +155,8 @@ class RendezvousHandler:
                 self._wait_for([result_key], min(cfg.heartbeat_interval, deadline - now))
                 continue
             # We close this round.
-            arrivals = self._read_arrivals(n, records, upto=None)
+            count = self.store.add(round_key(n, "arrivals"), 0)
+            arrivals = self._read_slots(n, records, 1, count)
             watch = [a.node_id for a in arrivals]
             if previous is not None:
                 watch += [m.node_id for m in previous.members]
@@ -160,29 +171,43 @@ class RendezvousHandler:
             assert isinstance(decision, Wait)
             min_reached_at = decision.min_reached_at
             until = min(decision.until, now + cfg.heartbeat_interval)
-            self._wait_for([slot_key(n, decision.wake_seq)], until - now, also=result_key)
+            # A node bumps the counter before it writes its slot. ``wake_seq`` counts on from
+            # the highest written slot, so while a lower one is still unwritten it lies past
+            # the last node to come; wait for that slot first, then decide again.
+            hole = next((s for s in range(1, count + 1) if s not in records), None)
+            wake = decision.wake_seq if hole is None else hole
+            self._wait_for([slot_key(n, wake)], until - now, also=result_key)
 
     def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival], now: float) -> bool:
-        """Whether an earlier arrival than us is alive to close the round (we check only the
-        earliest live one, so a waiting node costs the store O(1) reads per heartbeat)."""
-        lost = self._lost()
-        for a in self._read_arrivals(n, cache, upto=seq):
-            if a.node_id == self.node_id:
-                return False
-            if not self._dead([a.node_id], now, lost):
-                return True
+        """Whether an earlier arrival than us is alive to close the round.
+
+        Slots are read from the first on, in batches of 1, 2, 4, ... and only until a live
+        one turns up, and only that node's ``lost/`` key is read: normally slot 1 holds the
+        live closer, so a waiting node costs the store O(1) small reads per heartbeat, not
+        a read of every earlier slot and a listing of every key.
+        """
+        lo, size = 1, 1
+        while lo <= seq:
+            hi = min(seq, lo + size - 1)
+            for a in self._read_slots(n, cache, lo, hi):
+                if a.node_id == self.node_id:
+                    return False
+                lost = self.store.try_get(f"lost/{a.node_id}") is not None
+                if not lost and not self._dead([a.node_id], now, set()):
+                    return True
+            lo, size = hi + 1, size * 2
         return False
 
-    def _read_arrivals(self, n: int, cache: dict[int, Arrival], upto: int | None) -> list[Arrival]:
-        """Slots 1..count (or 1..upto); records never change, so each is read once."""
-        count = self.store.add(round_key(n, "arrivals"), 0) if upto is None else upto
-        missing = [s for s in range(1, count + 1) if s not in cache]
+    def _read_slots(self, n: int, cache: dict[int, Arrival], lo: int, hi: int) -> list[Arrival]:
+        """Slots lo..hi that are written (a node bumps the counter before it writes its
+        slot); records never change, so each is read once."""
+        missing = [s for s in range(lo, hi + 1) if s not in cache]
         if missing:
             for s, raw in zip(missing, self.store.multi_get([slot_key(n, s) for s in missing])):
                 if raw is not None:
                     rec = decode_node(f"{self.prefix}/{slot_key(n, s)}", raw)
                     cache[s] = Arrival(s, rec.node_id, rec.meta)
-        return [cache[s] for s in sorted(cache) if upto is None or s <= upto]
+        return [cache[s] for s in range(lo, hi + 1) if s in cache]
 
     def _lost(self) -> set[str]:
         return {k[len("lost/"):] for k in self.store.keys("lost/")}

@@ -87,6 +87,10 @@ class MembershipWatch:
     def wait(self, timeout: float | None = None) -> bool:
         return self.changed.wait(timeout)
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stop watching. Without ``wait`` this returns at once: the thread may sit in a store
+        wait for up to a heartbeat interval, and an agent reacting to a failure must not sit
+        there with it. The thread ends by itself and closes its own store connection."""
         self._stop.set()
-        self._thread.join(timeout=self._handler.config.heartbeat_interval + 5)
+        if wait:
+            self._thread.join(timeout=self._handler.config.heartbeat_interval + 5)

@@ -98,9 +98,11 @@ class RoundCoordinator:
         finally:
             self._watch_store.close()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stop watching ``failed``; returns at once unless ``wait`` (see MembershipWatch.stop)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if wait:
+            self._thread.join(timeout=5)
 
     # -- failures ---------------------------------------------------------------------------
     def report_failure(self, headline: str) -> bool:

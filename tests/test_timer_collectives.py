@@ -39,6 +39,7 @@ TRAIN = textwrap.dedent("""\
         else:
             dist.all_reduce(t)  # RANK 0 STUCK
         print("finished", t[0].item(), flush=True)
+        dist.destroy_process_group()  # exiting with gloo's threads still up can abort
 
     main()
 """)

@@ -122,7 +122,10 @@ def test_the_region_always_shows_exactly_the_held_timers(
             # Every held timer has its own word, naming its scope, whose deadline falls in the
             # window of its acquire (and no other word exists).
             pool = [(names[L.decode(w)[1]], L.decode(w)[0]) for w in words.values()]
-            for _, lo, hi, scope in held.values():
+            # Windows of timers acquired back to back overlap, so match as intervals to points:
+            # earliest-closing window first, each taking the earliest deadline it can.
+            pool.sort(key=lambda p: p[1])
+            for _, lo, hi, scope in sorted(held.values(), key=lambda h: h[2]):
                 match = next(p for p in pool if p[0] == scope and lo <= p[1] <= hi)
                 pool.remove(match)
             assert pool == []

@@ -63,7 +63,12 @@ class MembershipWatch:
                         return
                     if self._store.try_get("shutdown") is not None:
                         return self._signal("the job was shut down")
-                    count = int(self._store.try_get(next_arrivals) or b"0")
+                    raw = self._store.try_get(next_arrivals)
+                    if raw is None:
+                        # c10d's wait can return without the key while an earlier round's
+                        # watch (stopped, not joined) still waits on the same server.
+                        continue
+                    count = int(raw)
                     return self._signal(f"round {self.info.round + 1} opened: {count} node(s) arrived")
                 except StoreTimeout:
                     pass

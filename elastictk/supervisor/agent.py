@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +26,7 @@ from .group import WorkerGroup
 from .policy import RestartPolicy
 from .report import FailureReport
 from .spec import WorkerResult, WorkerSpec
+from .watchdog import Watchdog
 
 log = logging.getLogger("elastictk.agent")
 
@@ -50,6 +51,7 @@ class AgentConfig:
     hosts_store: bool = False
     decision_timeout: float = 30.0
     on_event: Event | None = None
+    collective_timeout: float | None = None  # put every torch.distributed call under a timer
 
 
 @dataclass
@@ -82,6 +84,8 @@ class ElasticAgent:
         self.group: WorkerGroup | None = None
         self.handler: RendezvousHandler | None = None
         self.current: RoundInfo | None = None
+        self.watchdog: Watchdog | None = None
+        self._lingering: list[MembershipWatch | RoundCoordinator] = []
         self.attempts = 0
 
     # -- public -----------------------------------------------------------------------------
@@ -91,7 +95,10 @@ class ElasticAgent:
         meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role}
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
         self.node_id = self.handler.node_id
-        self.group = WorkerGroup(cfg.spec, cfg.log_dir)
+        self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
+                                 on_expiry=self._wake)
+        spec = replace(cfg.spec, env=self.watchdog.worker_env(cfg.spec.env))
+        self.group = WorkerGroup(spec, cfg.log_dir)
         self._install_signals()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
@@ -104,6 +111,12 @@ class ElasticAgent:
         finally:
             self._restore_signals()
             self.group.close()
+            self.watchdog.close()
+            # Watch threads were stopped without waiting (a failure must not wait for them);
+            # they end within a wait interval. The process must not exit while one is inside
+            # a c10d call: tearing the client down under it aborts the interpreter.
+            for w in self._lingering:
+                w.stop(wait=True)
             try:
                 self.handler.close(leaving=True)
             except StoreError:
@@ -137,6 +150,8 @@ class ElasticAgent:
             watch = MembershipWatch(handler, info, on_change=group.wake)
             try:
                 group.start(self.attempts, assignment)
+                assert self.watchdog is not None
+                self.watchdog.arm(group.pids(), assignment, group.attempt_dir)
                 self.attempts += 1
                 ran = True
                 self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids(),
@@ -145,6 +160,7 @@ class ElasticAgent:
             finally:
                 watch.stop()
             coord.stop()
+            self._lingering += [watch, coord]
             if outcome == _Outcome.SIGNAL:
                 return self._signalled()
             if outcome == _Outcome.MEMBERSHIP:
@@ -188,6 +204,7 @@ class ElasticAgent:
         group = self.group
         while True:
             exited = group.wait_any(timeout=5.0)
+            self._emit_expiries()
             failed = [r for r in exited if r.failed]
             if failed:
                 return _Outcome.LOCAL_FAILURE, failed
@@ -209,9 +226,13 @@ class ElasticAgent:
         assert self.group is not None
         if outcome == _Outcome.LOCAL_FAILURE:
             first = min(failed, key=lambda r: r.ended_at)
-            won = coord.report_failure(f"node {self.node_id}: {first.describe()}")
+            self._emit_expiries()  # the reaper records an expiry before it kills
+            hang = self.watchdog.expiry_of(first.pid) if self.watchdog is not None else None
+            why = hang.headline() + " (watchdog timer expired)" if hang is not None else first.describe()
+            won = coord.report_failure(f"node {self.node_id}: {why}")
+            extra: dict[str, Any] = {"cause": "timer_expired", "timer_scope": hang.scope} if hang else {}
             self._emit("worker_failed", rank=first.rank, local_rank=first.local_rank,
-                       exit=first.signal_name or f"code {first.exitcode}", first_in_job=won)
+                       exit=first.signal_name or f"code {first.exitcode}", first_in_job=won, **extra)
             self.group.stop()
             self._emit("workers_stopped", reason="worker_failed")
             if won:
@@ -230,7 +251,8 @@ class ElasticAgent:
         assert self.group is not None
         results = list(self.group.results.values())
         return FailureReport.collect(results, stopped=[r.local_rank for r in results if r.stopped],
-                                     restart_count=restarts)
+                                     restart_count=restarts,
+                                     hangs=self.watchdog.hangs() if self.watchdog is not None else None)
 
     def _signalled(self) -> AgentResult:
         assert self.group is not None and self.handler is not None
@@ -261,6 +283,18 @@ class ElasticAgent:
             return addr, port
         host, port = info.store.get("master", self.config.rdzv.join_timeout).decode().split()
         return host, int(port)
+
+    def _wake(self) -> None:
+        if self.group is not None:
+            self.group.wake()
+
+    def _emit_expiries(self) -> None:
+        """Events for timers the reaper caught since the last look (it runs on its own thread)."""
+        if self.watchdog is None:
+            return
+        for e in self.watchdog.take_new():
+            self._emit("timer_expired", rank=e.rank, local_rank=e.local_rank, pid=e.pid, scope=e.scope,
+                       where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         log.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))

@@ -105,6 +105,11 @@ def become_worker(
         faulthandler.enable(file=2, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
+    # A forked worker never runs sitecustomize, so the collective timeout is turned on here
+    # (subprocess workers get it from the timer's sitecustomize instead).
+    from ..timer.boot import activate_from_env
+
+    activate_from_env()
 
 
 def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:

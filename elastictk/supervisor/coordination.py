@@ -89,6 +89,11 @@ class RoundCoordinator:
                     self._watch_store.wait(["failed"], 1.0)
                 except StoreTimeout:
                     continue
+                if self._watch_store.try_get("failed") is None:
+                    # c10d's wait can return without the key when an earlier round's watch
+                    # (stopped, not joined) still holds a wait on the same server: never
+                    # take that for a failure.
+                    continue
                 if not self._stop.is_set():
                     self.failed.set()
                     self._on_failure()

@@ -352,6 +352,10 @@ class WorkerGroup:
         deadline = time.monotonic() + grace
         if grace > 0:
             tree = self._signal_trees(sig, sessions)
+            if sig != signal.SIGCONT:
+                # A frozen worker (SIGSTOP, a fault, a debugger) acts on the signal only once
+                # it runs again; without this it would sit out the whole grace period.
+                self._signal_trees(signal.SIGCONT, sessions)
             self._dispatch(deadline, stop_on_first=False, ignore_wake=True)
             wait_gone(tree, max(0.0, deadline - time.monotonic()))
         self._signal_trees(signal.SIGKILL, sessions)

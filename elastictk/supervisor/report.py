@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Mapping, Optional, Protocol
 
 from .errors import ErrorFileUnreadable, ErrorRecord, read_error_file
 from .tail import MAX_TAIL_LINES, TAIL_LINES, pick_tail, read_tail
@@ -129,6 +129,8 @@ class ProcessFailure:
     stderr_tail: tuple[str, ...] = ()
     stderr_problem: Optional[str] = None
     stopped_by_supervisor: bool = False
+    hang: Optional[str] = None  # the watchdog's headline when its timer expired: why it was killed
+    hang_detail: Optional[str] = None  # how late it was caught, where the stacks are
 
     @property
     def exit_description(self) -> str:
@@ -146,6 +148,8 @@ class ProcessFailure:
 
     def cause(self, limit: int = 100) -> str:
         """A noun phrase for one-line messages: ``rank 1's SIGSEGV (signal 11)``."""
+        if self.hang is not None:
+            return f"{self.hang} (watchdog timer expired)"
         what = self.error.message if self.error is not None else self.exit_description
         what = " ".join(what.split())
         if len(what) > limit:
@@ -163,6 +167,7 @@ class ProcessFailure:
             "error_file_problem": self.error_file_problem, "stderr_path": self.stderr_path,
             "stderr_tail": list(self.stderr_tail), "stderr_problem": self.stderr_problem,
             "stopped_by_supervisor": self.stopped_by_supervisor,
+            "hang": self.hang, "hang_detail": self.hang_detail,
         }
 
     @classmethod
@@ -182,16 +187,19 @@ class ProcessFailure:
                 stderr_tail=tuple(d.get("stderr_tail") or ()),
                 stderr_problem=d.get("stderr_problem"),
                 stopped_by_supervisor=bool(d.get("stopped_by_supervisor", False)),
+                hang=d.get("hang"), hang_detail=d.get("hang_detail"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not an elastictk failure record ({type(e).__name__}: {e})") from None
 
 
 def failure_of(w: WorkerOutcome, *, hostname: str, wall_offset: Optional[float] = None,
-               stopped: bool = False, tail_lines: int = TAIL_LINES) -> ProcessFailure:
+               stopped: bool = False, tail_lines: int = TAIL_LINES,
+               hang: Optional[tuple[str, str]] = None) -> ProcessFailure:
     """Build one ``ProcessFailure``: read the error file, and the stderr tail when it has none.
 
     ``wall_offset`` is ``time.time() - time.monotonic()`` on the worker's host (None: unknown).
+    ``hang``: (headline, detail) when the watchdog killed this worker.
     """
     ended = w.ended_at if w.ended_at is not None else w.started_at
     error: Optional[ErrorRecord] = None
@@ -219,6 +227,7 @@ def failure_of(w: WorkerOutcome, *, hostname: str, wall_offset: Optional[float] 
         error_file=w.error_file or None, error=error, error_file_problem=problem,
         stderr_path=w.stderr_path or None, stderr_tail=tuple(tail),
         stderr_problem=stderr_problem, stopped_by_supervisor=stopped,
+        hang=hang[0] if hang else None, hang_detail=hang[1] if hang else None,
     )
 
 
@@ -241,16 +250,20 @@ class FailureReport:
     def build(cls, results: Iterable[WorkerOutcome], *, hostname: str,
               wall_offset: Optional[float] = None, stopped: Iterable[int] = (),
               title: str = "worker group failed", restart_count: Optional[int] = None,
-              tail_lines: int = TAIL_LINES) -> FailureReport:
+              tail_lines: int = TAIL_LINES,
+              hangs: Optional[Mapping[int, tuple[str, str]]] = None) -> FailureReport:
         """Pure over its inputs and the files they name. ``stopped``: global ranks the supervisor
         itself terminated after the first failure (also read from a result's ``stopped`` flag),
-        reported as such and never as the root cause unless nothing else failed."""
+        reported as such and never as the root cause unless nothing else failed. ``hangs``:
+        PID → (headline, detail) of workers the watchdog killed, so the report says where a
+        rank was stuck rather than only that it got SIGKILL."""
+        hangs = hangs or {}
         results = list(results)
         stopped_set = set(stopped)
         failed = [w for w in results if is_failure(w)]
         failures = [failure_of(w, hostname=hostname, wall_offset=wall_offset,
                                stopped=w.rank in stopped_set or bool(getattr(w, "stopped", False)),
-                               tail_lines=tail_lines)
+                               tail_lines=tail_lines, hang=hangs.get(w.pid))
                     for w in failed]
         failures.sort(key=lambda f: (f.stopped_by_supervisor, f.ended_at, f.rank))
         return cls(failures=tuple(failures), total_workers=len(results), hostname=hostname,
@@ -324,6 +337,8 @@ def _describe(f: ProcessFailure, root: bool) -> list[str]:
         f"  exited     : {f.exit_description}{_when(f)}",
         f"  error file : {_error_file_line(f)}",
     ]
+    if f.hang is not None:
+        out.insert(2, f"  stuck      : {f.hang_detail or f.hang}")
     if f.error is not None:
         out.append(f"  exception  : {f.error.message}")
         if root and f.error.traceback:
@@ -353,7 +368,7 @@ def render_report(report: FailureReport) -> str:
             lines.append("Other failures, in the order observed:")
             for f in report.failures[1:]:
                 later = f.ended_at - root.ended_at
-                what = f.error.message if f.error is not None else f.exit_description
+                what = f.error.message if f.error is not None else f.hang or f.exit_description
                 tag = ", stopped by the supervisor" if f.stopped_by_supervisor else ""
                 lines.append(f"  rank {f.rank} (local_rank {f.local_rank}, pid {f.pid}): "
                              f"{what}, {later:+.2f}s{tag}")

@@ -20,5 +20,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80", "pytest-timeout>=2.1"],
     },
-    entry_points={"console_scripts": ["elastictk-run = elastictk.run:console_main"]},
+    entry_points={"console_scripts": [
+        "elastictk-run = elastictk.run:console_main",
+        "elastictk-chaos = elastictk.chaos.cli:console_main",
+    ]},
 )

@@ -24,6 +24,11 @@ try:  # step counts and goodput for elastictk-run --metrics-port; a no-op anywhe
     import elastictk.metrics as etm
 except ImportError:  # pragma: no cover - the script also runs where elastictk is not installed
     etm = None
+try:  # step-exact faults of an elastictk-chaos run; a no-op without a fault plan
+    from elastictk.faults import checkpoint as fault_point
+except ImportError:  # pragma: no cover
+    def fault_point(step: int) -> None:
+        pass
 
 FEATURES = 16
 GLOBAL_BATCH = 32
@@ -83,6 +88,7 @@ def main() -> None:
         crashes[(int(parts[0]), int(parts[1]))] = parts[2] if len(parts) > 2 else "SIGKILL"
 
     for step in range(start, args.steps):
+        fault_point(step + 1)  # the step about to run, as the "step N" lines count
         if attempt == 0 and (step, rank) in crashes:
             sig = crashes[(step, rank)]
             print(f"[rank {rank}] injected {sig} at step {step}", flush=True)

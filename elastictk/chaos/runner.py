@@ -1,0 +1,227 @@
+"""Run one job under ``elastictk-run`` with a fault plan, and record what happened.
+
+The job runs as a child ``python -m elastictk.run``: the same agent, flags and worker set-up a
+user gets, nothing special-cased. The plan reaches the workers through the environment (step
+faults fire inside them, see ``elastictk.faults.inworker``); time faults are signals sent from
+here, only to PIDs the agent itself reported in its event log and only while they are still
+descendants of the launcher we started, so nothing outside the job is ever touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import psutil
+
+from ..faults import FaultPlan
+from ..faults.env import worker_env
+from ..metrics.events import read_events
+
+STEP_LINE = re.compile(r"\bstep (\d+)\b")
+CHECKSUM_LINE = re.compile(r"final checksum (\S+)")
+OUTSIDE_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigsegv": signal.SIGSEGV,
+                   "hang": signal.SIGSTOP}
+
+
+@dataclass
+class Injection:
+    """A fault that actually fired: from the worker's fault log or from the outside injector."""
+
+    fault: int
+    kind: str
+    target: str
+    mono: float
+    pid: Optional[int]
+    step: Optional[int] = None
+    how: str = "inside"  # inside (the worker's own checkpoint) | outside (a signal from here)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RunRecord:
+    """Everything the report needs, in monotonic seconds of this host."""
+
+    argv: list[str]
+    started: float
+    ended: float = 0.0
+    exit_code: Optional[int] = None
+    stdout: str = ""
+    stderr: str = ""
+    injections: list[Injection] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (mono, step) as lines arrived
+    leaked_processes: list[str] = field(default_factory=list)
+    leaked_shm: list[str] = field(default_factory=list)
+
+    @property
+    def checksum(self) -> Optional[str]:
+        found = CHECKSUM_LINE.findall(self.stdout)
+        return found[-1] if found else None
+
+
+def launcher_argv(launcher_flags: Sequence[str], command: Sequence[str], events: Path, logs: Path) -> list[str]:
+    """``python -m elastictk.run`` with the user's flags plus where the events and logs go."""
+    return [sys.executable, "-m", "elastictk.run", *launcher_flags, "--event-log", str(events),
+            "--log-dir", str(logs), *command]
+
+
+def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
+            out_dir: Path, *, timeout: float, progress: Optional[Callable[[RunRecord], None]] = None,
+            tag: str = "chaos") -> RunRecord:
+    """Run the job to its end (or ``timeout``), injecting ``plan``; return the record."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    events, fault_log = out_dir / f"{tag}-events.jsonl", out_dir / f"{tag}-faults.jsonl"
+    for p in (events, fault_log):
+        p.unlink(missing_ok=True)
+    # The agent relays worker output through its own stdout: unbuffered, lines arrive as printed.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run_dir = out_dir / f"{tag}-run"  # per-run paths (checkpoints) via "{run_dir}" in the command
+    command = [a.replace("{run_dir}", str(run_dir)) for a in command]
+    if plan is not None:
+        plan_path = plan.save(out_dir / f"{tag}-plan.json")
+        env.update(worker_env(plan_path, log_path=fault_log))
+    argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")
+    shm_before = _shm()
+    rec = RunRecord(argv=argv, started=time.monotonic())
+    proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rec.pids.add(proc.pid)
+    out_lines: list[str] = []
+    err_lines: list[str] = []
+    readers = [threading.Thread(target=_read, args=(proc.stdout, out_lines, rec), daemon=True),
+               threading.Thread(target=_read, args=(proc.stderr, err_lines, None), daemon=True)]
+    for t in readers:
+        t.start()
+    outside = [(i, f) for i, f in (plan.time_faults() if plan is not None else [])]
+    deadline = rec.started + timeout
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if now > deadline:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                break
+            _refresh(rec, events, fault_log, proc.pid)
+            while outside and now - rec.started >= float(outside[0][1].at_s or 0):
+                index, fault = outside.pop(0)
+                inj = _inject_outside(index, fault, rec, proc.pid)
+                if inj is not None:
+                    rec.injections.append(inj)
+            if progress is not None:
+                progress(rec)
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for t in readers:
+            t.join(10)
+    rec.ended = time.monotonic()
+    rec.exit_code = proc.returncode
+    rec.stdout, rec.stderr = "".join(out_lines), "".join(err_lines)
+    _refresh(rec, events, fault_log, proc.pid)
+    grace = time.monotonic() + 5  # workers die with their agent by a death signal: a moment
+    while _survivors(rec.pids) and time.monotonic() < grace:
+        time.sleep(0.05)
+    rec.leaked_processes = _survivors(rec.pids)
+    rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
+    if progress is not None:
+        progress(rec)
+    return rec
+
+
+def _read(stream: Any, sink: list[str], rec: Optional[RunRecord]) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line)
+        if rec is not None:
+            m = STEP_LINE.search(line)
+            if m:
+                rec.steps.append((time.monotonic(), int(m.group(1))))
+
+
+def _refresh(rec: RunRecord, events: Path, fault_log: Path, launcher: int) -> None:
+    """Re-read the event log (PIDs of every attempt) and the workers' fault log."""
+    if events.exists():
+        rec.events = read_events(events)
+        for e in rec.events:
+            if e.kind == "workers_started":
+                rec.pids.update(int(p) for p in (e.fields.get("pids") or {}).values())
+    inside = [i for i in rec.injections if i.how == "outside"]
+    if fault_log.exists():
+        for line in fault_log.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            inside.append(Injection(int(d["fault"]), str(d["kind"]), str(d["target"]),
+                                    float(d["monotonic"]), int(d["pid"]), d.get("step")))
+    rec.injections = sorted(inside, key=lambda i: i.mono)
+
+
+def _current_workers(rec: RunRecord) -> dict[int, int]:
+    """Global rank → PID of the attempt running now, from the last ``workers_started``."""
+    for e in reversed(rec.events):
+        if e.kind == "workers_started":
+            pids = {int(k): int(v) for k, v in (e.fields.get("pids") or {}).items()}
+            return pids  # local rank == global rank on a single node
+    return {}
+
+
+def _inject_outside(index: int, fault: Any, rec: RunRecord, launcher: int) -> Optional[Injection]:
+    """Send the signal of a time fault to its target, if the target is ours and alive."""
+    workers = _current_workers(rec)
+    rank = fault.target.index if fault.target.kind == "rank" else None
+    targets = list(workers.values()) if fault.target.kind == "node" else (
+        [workers[rank]] if rank in workers else [])
+    ours = _descendants(launcher)
+    sig = OUTSIDE_SIGNALS.get(fault.kind)
+    hit = [pid for pid in targets if pid in ours]
+    if sig is None or not hit:
+        return None
+    now = time.monotonic()
+    for pid in hit:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return Injection(index, fault.spec, str(fault.target), now, hit[0], how="outside")
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _survivors(pids: set[int]) -> list[str]:
+    out = []
+    for pid in sorted(pids):
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"pid {pid} ({' '.join(p.cmdline())[:80]})")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()

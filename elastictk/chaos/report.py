@@ -150,8 +150,8 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
                      f"{restarts} restart(s) for {want} expected"))
     out.append(Check("no process of the job outlives the run", not rec.leaked_processes,
                      "; ".join(rec.leaked_processes) or f"{len(rec.pids)} process(es) checked"))
-    out.append(Check("no leaked shared memory", not rec.leaked_shm,
-                     ", ".join(rec.leaked_shm) or "/dev/shm as before"))
+    out.append(Check("no leaked shared memory or listening port", not rec.leaked_shm and not rec.leaked_ports,
+                     ", ".join(rec.leaked_shm + rec.leaked_ports) or "/dev/shm and listening ports as before"))
     if ckpt_every is not None:
         worst = max((r.lost_steps or 0 for r in rows), default=0)
         out.append(Check("progress lost per fault <= checkpoint interval", worst <= ckpt_every,

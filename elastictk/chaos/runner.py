@@ -64,6 +64,7 @@ class RunRecord:
     steps: list[tuple[float, int]] = field(default_factory=list)  # (mono, step) as lines arrived
     leaked_processes: list[str] = field(default_factory=list)
     leaked_shm: list[str] = field(default_factory=list)
+    leaked_ports: list[str] = field(default_factory=list)
 
     @property
     def checksum(self) -> Optional[str]:
@@ -93,7 +94,7 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
         plan_path = plan.save(out_dir / f"{tag}-plan.json")
         env.update(worker_env(plan_path, log_path=fault_log))
     argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")
-    shm_before = _shm()
+    shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=argv, started=time.monotonic())
     proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     rec.pids.add(proc.pid)
@@ -139,6 +140,8 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
         time.sleep(0.05)
     rec.leaked_processes = _survivors(rec.pids)
     rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
+    rec.leaked_ports = sorted(f"{addr} (pid {pid})" for addr, pid in _listening().items()
+                              if addr not in ports_before and pid in rec.pids)
     if progress is not None:
         progress(rec)
     return rec
@@ -218,6 +221,15 @@ def _survivors(pids: set[int]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _listening() -> dict[str, Optional[int]]:
+    """Listening TCP sockets on this host: ``addr:port`` → owning PID (None if unknown)."""
+    try:
+        conns = psutil.net_connections("tcp")
+    except (psutil.AccessDenied, OSError):
+        return {}
+    return {f"{c.laddr.ip}:{c.laddr.port}": c.pid for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def _shm() -> set[str]:

@@ -119,7 +119,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    # Exit without interpreter teardown: watch threads may still sit inside a C++ store call
+    # (a wait on a store that went away, or on a cut link), and finalizing Python under them
+    # aborts the process ("terminate called without an active exception") instead of exiting
+    # with the agent's code. Everything the agent owns is already stopped and closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

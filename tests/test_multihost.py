@@ -7,6 +7,7 @@ would be on a cluster. Heartbeats are short (``--rdzv-conf``) and workers tiny
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import pytest
 
 from tests.netns import Host, Hosts, leftover_namespaces, netns_works
@@ -45,9 +47,11 @@ class HostJob(Job):
         self.hosts, self.endpoint, self.conf = hosts, endpoint, conf
 
     def agent_on(self, host: Host, *worker_args: str, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+                 extra: tuple[str, ...] = (), wrapper: str | None = None) -> subprocess.Popen[str]:
         cmd = self.command(*worker_args)
         cmd[3:3] = list(extra)  # launcher flags go before the script
+        if wrapper is not None:  # python -c WRAPPER -m elastictk.run ...
+            cmd[1:1] = ["-c", wrapper]
         p = host.popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.agents.append(p)
         return p
@@ -114,3 +118,70 @@ def assert_stops_cleanly(job: HostJob, agents: list[subprocess.Popen[str]]) -> N
     results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
     logs = "\n---\n".join(err[-1500:] for _, err in results.values())
     assert [results[p.pid][0] for p in agents] == [128 + signal.SIGTERM] * len(agents), logs
+
+
+LINK_CONF = CONF + ",read_timeout=4"
+
+
+def test_cut_link_is_detected_by_heartbeat_and_the_cut_host_stops_its_workers(tmp_path: Path, hosts: Hosts) -> None:
+    job = HostJob(tmp_path, hosts, f"{hosts[0].addr}:{PORT}", conf=LINK_CONF)
+    try:
+        a, b, c = start_c10d(job, "--sleep", "300", "--until", "stop")
+        six = job.wait_for(lambda s: len(by_world(s, 6)) == 6)
+        hosts[1].link_down()
+        cut_at = time.monotonic()
+        starts = job.wait_for(lambda s: len(by_world(s, 4)) == 4)
+        assert {s["TORCHELASTIC_RESTART_COUNT"] for s in starts} == {"0"}
+        assert {s["MASTER_ADDR"] for s in by_world(starts, 4)} <= {hosts[0].addr, hosts[2].addr}
+        _, err = b.communicate(timeout=60)  # the cut host's agent ends by itself, it does not hang
+        assert b.returncode == 1, err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+        assert time.monotonic() - cut_at < 60
+        alive = [s["pid"] for s in six if psutil.pid_exists(int(s["pid"]))]
+        assert alive == [], "every worker of the round before the cut is gone, the cut host's too"
+        assert_stops_cleanly(job, [a, c])
+    finally:
+        job.close()
+
+
+FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+# Runs elastictk-run in a process that libfaketime was preloaded into, without passing the
+# preload on to its workers, and records the agent's own wall clock first. libfaketime 0.9.10
+# fails clock_nanosleep(TIMER_ABSTIME) with EINVAL when it leaves CLOCK_MONOTONIC alone, which
+# breaks time.sleep: the agent sleeps on a timed wait instead, which it handles correctly.
+SKEWED_AGENT = """
+import os, runpy, sys, threading, time
+time.sleep = lambda s: threading.Event().wait(s) and None
+os.environ.pop("LD_PRELOAD")
+with open(os.environ["AGENT_WALL_FILE"], "w") as f:
+    f.write(repr(time.time()))
+sys.argv = ["elastictk-run"] + sys.argv[3:]
+runpy.run_module("elastictk.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Path, hosts: Hosts) -> None:
+    assert os.path.exists(FAKETIME), "libfaketime missing: apt-get install faketime (make debs)"
+    job = HostJob(tmp_path, hosts, f"{hosts[0].addr}:{PORT}")
+    try:
+        a = job.agent_on(hosts[0], "--sleep", "300", "--until", "stop")
+        wait_listening(hosts[1], hosts[0].addr, PORT)
+        b = job.agent_on(hosts[1], "--sleep", "300", "--until", "stop")
+        # Only the wall clock is off, as on a real host with a bad clock (libfaketime can shift
+        # CLOCK_MONOTONIC too, but then glibc's timed waits sleep 30 s too long).
+        wall_file = tmp_path / "agent-wall"
+        skewed = dict(os.environ, LD_PRELOAD=FAKETIME, FAKETIME="+30s", FAKETIME_DONT_FAKE_MONOTONIC="1",
+                      AGENT_WALL_FILE=str(wall_file))
+        before = time.time()
+        c = job.agent_on(hosts[2], "--sleep", "300", "--until", "stop", env=skewed, wrapper=SKEWED_AGENT)
+        job.wait_for(lambda s: len(by_world(s, 6)) == 6)
+        assert float(wall_file.read_text()) - before > 25, "host 2's agent really lives 30 s ahead"
+        time.sleep(3 * 2.0)  # three heartbeat timeouts: long enough for a skew to kill a node
+        assert len(job.starts()) == 6, "no one was declared lost: no new round, no restart"
+        ended = [(p.returncode, p.communicate()[1][-1500:]) for p in (a, b, c) if p.poll() is not None]
+        assert ended == [], ended
+        assert_stops_cleanly(job, [a, b, c])
+    finally:
+        job.close()

@@ -264,6 +264,11 @@ class RendezvousHandler:
             self._heartbeat.stop(leaving=leaving)
             self._heartbeat = None
 
+    def heartbeat_silence(self) -> float:
+        """Seconds since this node's heartbeat last reached the store (0 when not beating)."""
+        hb = self._heartbeat
+        return 0.0 if hb is None else hb.silent_for()
+
     @property
     def heartbeat_error(self) -> str | None:
         hb = self._heartbeat

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..store import StoreError, StoreTimeout
+from ..store import StoreError, StoreTimeout, StoreUnreachable
 from .liveness import LivenessTracker, read_counters
 from .records import encode_note, round_key
 
@@ -44,6 +44,27 @@ class MembershipWatch:
         self._watched = {m.node_id: m.rank for m in picks if m.node_id != handler.node_id}
         self._thread = threading.Thread(target=self._run, name=f"elastictk-watch-r{info.round}", daemon=True)
         self._thread.start()
+        self._fence_thread = threading.Thread(target=self._fence, name=f"elastictk-fence-r{info.round}", daemon=True)
+        self._fence_thread.start()
+
+    def _fence(self) -> None:
+        """Signal when this node's own heartbeat has not reached the store for the timeout.
+
+        Its peers then count it as lost and form a round without it (split brain otherwise),
+        and every store call of this node may hang on the dead link; this thread makes no
+        store call, so it notices on its own clock and the agent stops its workers.
+        """
+        cfg = self._handler.config
+        while not self._stop.wait(cfg.heartbeat_interval):
+            silent = self._handler.heartbeat_silence()
+            if silent >= cfg.heartbeat_timeout and not self.changed.is_set():
+                self.store_error = StoreUnreachable(
+                    f"node {self._handler.node_id}'s heartbeat has not reached the rendezvous store for "
+                    f"{silent:.1f}s (heartbeat_timeout {cfg.heartbeat_timeout:g}s): its peers count it as "
+                    "lost, so it stops its workers; check the network between this host and the store"
+                )
+                self._signal(str(self.store_error))
+                return
 
     def _signal(self, reason: str) -> None:
         self.reason = reason

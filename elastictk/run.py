@@ -37,6 +37,8 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> t
 
     conf = config.rdzv_conf
     endpoint = config.rdzv_path if config.rdzv_backend == "file" else str(config.rdzv_endpoint)
+    if config.rdzv_endpoints:  # every member of an etcd cluster, for failover
+        endpoint = ",".join(str(e) for e in config.rdzv_endpoints)
     handle = open_store(
         config.rdzv_backend, endpoint or "", is_host=True if config.standalone else config.is_host,
         timeout=float(conf.get("read_timeout", conf.get("timeout", 60.0))), node_rank=config.node_rank,

@@ -309,15 +309,15 @@ def local_address(store_endpoint: str | None) -> str:
     Hostnames do not resolve in every cluster (or test network namespace); the source address
     of a route to the rendezvous endpoint does, when there is one.
     """
-    if store_endpoint:
-        from ..store import parse_endpoint
+    from ..store import parse_endpoint
 
+    for text in (store_endpoint or "").split(","):  # etcd: a list of members
         try:
-            ep = parse_endpoint(store_endpoint, 1)
+            ep = parse_endpoint(text.strip(), 1)
             family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((ep.host, ep.port or 1))
                 return str(s.getsockname()[0])
         except (OSError, ValueError):
-            pass
+            continue
     return socket.getfqdn()

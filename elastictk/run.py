@@ -49,6 +49,7 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> t
         last_call=float(conf.get("last_call_timeout", 30.0)),
         join_timeout=float(conf.get("join_timeout", 600.0)),
         heartbeat_interval=hb, heartbeat_timeout=float(conf.get("heartbeat_timeout", max(10.0, hb * 3))),
+        token=config.rdzv_token,
     )
     backoff = Backoff(initial=config.restart_backoff) if config.restart_backoff > 0 else None
     policy = RestartPolicy(max_restarts=config.max_restarts, intensity=config.restart_intensity, backoff=backoff)

@@ -12,8 +12,9 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..store import StoreError, StoreTimeout, StoreUnreachable
+from .errors import RendezvousError
 from .liveness import LivenessTracker, read_counters
-from .records import encode_note, round_key
+from .records import round_key, slot_key
 
 if TYPE_CHECKING:
     from .handler import RendezvousHandler, RoundInfo
@@ -33,6 +34,7 @@ class MembershipWatch:
         self._on_change = on_change
         self.reason: str | None = None
         self.lost: list[str] = []
+        self._strangers: set[int] = set()
         self.store_error: StoreError | None = None
         self.changed = threading.Event()
         self._handler = handler
@@ -75,19 +77,26 @@ class MembershipWatch:
     def _run(self) -> None:
         cfg = self._handler.config
         tracker = LivenessTracker(cfg.heartbeat_timeout)
-        next_arrivals = round_key(self.info.round + 1, "arrivals")
+        nxt = self.info.round + 1
+        next_arrivals = round_key(nxt, "arrivals")
+        wait_key = next_arrivals
         try:
             while not self._stop.is_set():
                 try:
-                    self._store.wait([next_arrivals], cfg.heartbeat_interval)
+                    self._store.wait([wait_key], cfg.heartbeat_interval)
                     if self._stop.is_set():
                         return
-                    if self._store.try_get("shutdown") is not None:
+                    if self._handler.verified("shutdown", self._store.try_get("shutdown")):
                         return self._signal("the job was shut down")
-                    count = int(self._store.try_get(next_arrivals) or b"0")
-                    return self._signal(f"round {self.info.round + 1} opened: {count} node(s) arrived")
+                    wait_key = next_arrivals
                 except StoreTimeout:
                     pass
+                if wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
+                    count = int(self._store.try_get(next_arrivals) or b"0")
+                    first_unread = self._first_trusted(nxt, count)
+                    if first_unread is None:
+                        return self._signal(f"round {nxt} opened: {count} node(s) arrived")
+                    wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
                 now = time.monotonic()
                 for node_id, value in read_counters(self._store, list(self._watched)).items():
                     tracker.observe(node_id, value, now)
@@ -95,15 +104,35 @@ class MembershipWatch:
                         silent = tracker.silent_for(node_id, now)
                         why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
                         self._store.compare_set(
-                            f"lost/{node_id}", None, encode_note(by=self._handler.node_id, reason=why)
+                            f"lost/{node_id}", None, self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
                         )
                         self.lost.append(node_id)
                         return self._signal(why)
         except StoreError as e:
             self.store_error = e
             self._signal(f"lost the rendezvous store: {e}")
+        except RendezvousError as e:  # garbage in the store: the agent ends with the key named
+            self.store_error = StoreError(str(e))
+            self._signal(str(e))
         finally:
             self._store.close()
+
+    def _first_trusted(self, n: int, count: int) -> int | None:
+        """None when a node of this job (its join record signed with the token) arrived for
+        round ``n``; else the first slot not yet written, to wait on. A stranger's arrival
+        (an unsigned or forged record) never makes the job re-form."""
+        if not self._handler.signer.enabled:
+            return None
+        seqs = [s for s in range(1, count + 1) if s not in self._strangers]
+        first_unread = count + 1
+        for seq, raw in zip(seqs, self._store.multi_get([slot_key(n, s) for s in seqs])):
+            if raw is None:
+                first_unread = min(first_unread, seq)
+            elif self._handler.verified(slot_key(n, seq), raw):
+                return None
+            else:
+                self._strangers.add(seq)
+        return first_unread
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.changed.wait(timeout)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousHandler, RoundInfo
+from ..rendezvous import (
+    MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousError, RendezvousHandler, RoundInfo,
+)
 from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, assign_ranks
@@ -101,6 +103,11 @@ class ElasticAgent:
             self.group.stop()
             self._emit("store_lost", error=str(e))
             return AgentResult("failed", 1, str(e), attempts=self.attempts)
+        except RendezvousError as e:
+            # Refused (no token), forged or foreign state, too few nodes: one line, no traceback.
+            self.group.stop()
+            self._emit("rendezvous_failed", error=str(e))
+            return AgentResult("failed", 1, str(e), attempts=self.attempts)
         finally:
             self._restore_signals()
             self.group.close()
@@ -130,10 +137,11 @@ class ElasticAgent:
                 self._emit("job_finished_elsewhere", message=str(e))
                 return AgentResult("finished-elsewhere", 0, f"{e}; exiting", attempts=self.attempts)
             self.current = info
-            restarts = restart_count(handler.store)
+            restarts = restart_count(handler.store, handler.signer, handler.prefix)
             assignment = self._assignment(info, restarts, addr)
             self._emit("round_joined", round=info.round, rank=info.rank, world=info.world_size)
-            coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake)
+            coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
+                                     signer=handler.signer, where=(handler.prefix, info.store_prefix))
             watch = MembershipWatch(handler, info, on_change=group.wake)
             try:
                 group.start(self.attempts, assignment)

@@ -224,3 +224,22 @@ def test_etcd_job_survives_the_loss_of_a_store_member_and_its_host(tmp_path: Pat
         job.close()
         for m in members:
             m.close()
+
+
+def test_a_host_without_the_job_token_is_refused_and_the_job_carries_on(c10d_job: HostJob) -> None:
+    job, hosts = c10d_job, c10d_job.hosts
+    member_env = dict(os.environ, ELASTICTK_RDZV_TOKEN="the-jobs-secret")
+    a = job.agent_on(hosts[0], "--sleep", "300", "--until", "stop", env=member_env)
+    wait_listening(hosts[1], hosts[0].addr, PORT)
+    b = job.agent_on(hosts[1], "--sleep", "300", "--until", "stop", env=member_env)
+    job.wait_for(lambda s: len(by_world(s, 4)) == 4)
+    stranger = job.agent_on(hosts[2], "--sleep", "300", env=dict(os.environ, ELASTICTK_RDZV_TOKEN="a-guess"))
+    _, err = stranger.communicate(timeout=60)
+    assert stranger.returncode == 1, err[-2000:]
+    assert "Traceback" not in err
+    refusal = [line for line in err.splitlines() if "refused by job" in line]
+    assert refusal and "ELASTICTK_RDZV_TOKEN" in refusal[-1], err[-2000:]
+    time.sleep(3 * 2.0)  # three heartbeat timeouts: time for any disturbance to show
+    assert len(job.starts()) == 4, "the refused host changed nothing: no new round, no restart"
+    assert a.poll() is None and b.poll() is None
+    assert_stops_cleanly(job, [a, b])

@@ -18,7 +18,10 @@ import os
 import secrets
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
+
+from elastictk.store.etcd_server import EtcdServer
 
 T = TypeVar("T")
 _CLONE_NEWNET = 0x40000000
@@ -150,6 +153,24 @@ class Hosts:
         self.close()
 
 
+def etcd_members(hosts: Hosts, base: Path) -> list[EtcdServer]:
+    """One etcd member per host (started from inside the host), forming one cluster."""
+    initial = ",".join(f"etcd{h.index}=http://{h.addr}:2380" for h in hosts)
+    token = f"elastictk-{hosts.tag}"
+    members = [EtcdServer(name=f"etcd{h.index}", host=h.addr, client_port=2379, peer_port=2380,
+                          initial_cluster=initial, cluster_token=token, base_dir=base) for h in hosts]
+    try:
+        for h, m in zip(hosts, members):
+            h.call(m.launch)  # forked from the host's thread: the member runs in its namespace
+        for h, m in zip(hosts, members):
+            h.call(m.wait_ready)
+    except BaseException:
+        for m in members:
+            m.close()
+        raise
+    return members
+
+
 def leftover_namespaces(tag: str) -> list[str]:
     """Namespaces of run ``tag`` that still exist (a teardown check)."""
     out = ip("netns", "list").stdout.split("\n")
@@ -171,4 +192,4 @@ def netns_works() -> str | None:
     return None
 
 
-__all__ = ["Host", "Hosts", "NetnsUnavailable", "leftover_namespaces", "netns_works"]
+__all__ = ["Host", "Hosts", "NetnsUnavailable", "etcd_members", "leftover_namespaces", "netns_works"]

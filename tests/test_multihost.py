@@ -18,8 +18,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from elastictk.store.etcd_server import EtcdServer
-from tests.netns import Host, Hosts, leftover_namespaces, netns_works
+from tests.netns import Host, Hosts, etcd_members, leftover_namespaces, netns_works
 from tests.test_multinode import CONF, ROOT, Job, by_world
 
 PORT = 29400
@@ -186,24 +185,6 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
         assert_stops_cleanly(job, [a, b, c])
     finally:
         job.close()
-
-
-def etcd_members(hosts: Hosts, base: Path) -> list[EtcdServer]:
-    """One etcd member per host (started from inside the host), forming one cluster."""
-    initial = ",".join(f"etcd{h.index}=http://{h.addr}:2380" for h in hosts)
-    token = f"elastictk-{hosts.tag}"
-    members = [EtcdServer(name=f"etcd{h.index}", host=h.addr, client_port=2379, peer_port=2380,
-                          initial_cluster=initial, cluster_token=token, base_dir=base) for h in hosts]
-    try:
-        for h, m in zip(hosts, members):
-            h.call(m.launch)  # forked from the host's thread: the member runs in its namespace
-        for h, m in zip(hosts, members):
-            h.call(m.wait_ready)
-    except BaseException:
-        for m in members:
-            m.close()
-        raise
-    return members
 
 
 def test_etcd_job_survives_the_loss_of_a_store_member_and_its_host(tmp_path: Path, hosts: Hosts) -> None:

@@ -72,6 +72,9 @@ class Run:
                    GLOO_SOCKET_IFNAME="eth0")
         for i, h in enumerate(hosts):
             argv = _argv(launcher, backend, self.endpoint, tag, self.out, store_host=(i == 0))
+            # Every test host has the machine's host name, which resolves to loopback: tell
+            # each launcher the address its peers reach it at (torchrun needs it; both get it).
+            argv[3:3] = ["--local-addr", h.addr]
             log = open(self.out / f"agent{i}.log", "w")
             self.agents.append(h.popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
             log.close()
@@ -174,12 +177,15 @@ def _lose_a_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list
 
 
 def _lose_the_store_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int],
-                         backend: str = "c10d", endpoint: str | None = None) -> str:
+                         backend: str = "c10d", endpoint: str | None = None,
+                         also_kill: Callable[[], None] | None = None) -> str:
     """What happens when host A (the c10d store's host, or an etcd member's) is lost."""
     run = Run(hosts, launcher, base, tag, backend=backend, endpoint=endpoint)
     try:
         run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
         t_kill = run.kill_host(0)
+        if also_kill is not None:
+            also_kill()  # the host's etcd member dies with it
         deadline = t_kill + PROBE_TIMEOUT
         recovered = None
         while time.monotonic() < deadline:
@@ -238,15 +244,13 @@ def run(cfg: RunConfig) -> BenchResult:
                 try:
                     pids += [m.pid for m in members if m.pid is not None]
                     endpoints = ",".join(f"{h.addr}:2379" for h in hosts)
-                    kill_etcd = members[0].kill
                     what = _lose_the_store_host(hosts, "elastictk", base, f"etcd-{next(counter)}", pids,
-                                                backend="etcd", endpoint=endpoints)
-                    kill_etcd()
+                                                backend="etcd", endpoint=endpoints, also_kill=members[0].kill)
                 finally:
                     for m in members:
                         m.close()
-                notes.append("elastictk, etcd (one member per host), host A lost (its agent tree; "
-                             f"its etcd member outlives it by the probe, a quorum remains): {what}")
+                notes.append("elastictk, etcd (one member per host), host A lost (its agent tree and its "
+                             f"etcd member SIGKILLed at once; two members remain, a quorum): {what}")
     finally:
         if not os.environ.get("ELASTICTK_BENCH_KEEP"):
             shutil.rmtree(base, ignore_errors=True)

@@ -6,8 +6,9 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC := torch==2.13.0
-# Debian packages that the tests start for real: etcd, Prometheus, and ip for network namespaces.
-DEB_PKGS := etcd-server prometheus iproute2
+# Debian packages that the tests start for real: etcd, Prometheus, ip for network namespaces,
+# libfaketime for a test host whose wall clock is off.
+DEB_PKGS := etcd-server prometheus iproute2 faketime
 
 .PHONY: demo test install debs bench clean
 

@@ -37,6 +37,8 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> t
 
     conf = config.rdzv_conf
     endpoint = config.rdzv_path if config.rdzv_backend == "file" else str(config.rdzv_endpoint)
+    if config.rdzv_endpoints:  # every member of an etcd cluster, for failover
+        endpoint = ",".join(str(e) for e in config.rdzv_endpoints)
     handle = open_store(
         config.rdzv_backend, endpoint or "", is_host=True if config.standalone else config.is_host,
         timeout=float(conf.get("read_timeout", conf.get("timeout", 60.0))), node_rank=config.node_rank,
@@ -47,6 +49,7 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> t
         last_call=float(conf.get("last_call_timeout", 30.0)),
         join_timeout=float(conf.get("join_timeout", 600.0)),
         heartbeat_interval=hb, heartbeat_timeout=float(conf.get("heartbeat_timeout", max(10.0, hb * 3))),
+        token=config.rdzv_token,
     )
     backoff = Backoff(initial=config.restart_backoff) if config.restart_backoff > 0 else None
     policy = RestartPolicy(max_restarts=config.max_restarts, intensity=config.restart_intensity, backoff=backoff)
@@ -120,7 +123,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    # Exit without interpreter teardown: watch threads may still sit inside a C++ store call
+    # (a wait on a store that went away, or on a cut link), and finalizing Python under them
+    # aborts the process ("terminate called without an active exception") instead of exiting
+    # with the agent's code. Everything the agent owns is already stopped and closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

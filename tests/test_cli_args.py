@@ -572,3 +572,12 @@ def test_std_mapping_matches_torch(mapping: dict[int, int]) -> None:
     assert isinstance(ours, dict) and isinstance(theirs, dict)
     assert {r: int(s) for r, s in ours.items()} == {r: int(s) for r, s in theirs.items()}
     assert all(isinstance(s, Std) for s in ours.values())
+
+
+def test_etcd_endpoint_lists_every_cluster_member(workdir: Path) -> None:
+    config = parse_args(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379, 10.0.0.2,[::1]:2400",
+                         "--nnodes", "2", "train.py"])
+    assert config.rdzv_endpoints == (Endpoint("10.0.0.1", 2379), Endpoint("10.0.0.2", 2379), Endpoint("::1", 2400))
+    assert config.rdzv_endpoint == Endpoint("10.0.0.1", 2379)
+    code, err, _ = main_for_test(["--rdzv-backend", "etcd", "--rdzv-endpoint", "a:1,b:x", "--nnodes", "2", "t.py"])
+    assert code == 2 and "b:x" in err and len(err.strip().splitlines()) == 1

@@ -34,14 +34,19 @@ class Job:
         self.backend = backend
         self.endpoint = str(tmp / "rdzv") if backend == "file" else f"127.0.0.1:{self.port}"
         self.nnodes, self.max_restarts = nnodes, max_restarts
+        self.conf = CONF
         self.agents: list[subprocess.Popen[str]] = []
 
+    def command(self, *worker_args: str) -> list[str]:
+        """One agent's elastictk-run command line (tests/test_multihost.py runs it in a namespace)."""
+        return [sys.executable, "-m", "elastictk.run", "--nnodes", self.nnodes, "--nproc-per-node", "2",
+                "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", "multi",
+                "--rdzv-conf", self.conf, "--max-restarts", str(self.max_restarts), "--start-method", "spawn",
+                "--shutdown-timeout", "2", WORKER, str(self.out), *worker_args]
+
     def agent(self, *worker_args: str) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "elastictk.run", "--nnodes", self.nnodes, "--nproc-per-node", "2",
-               "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", "multi",
-               "--rdzv-conf", CONF, "--max-restarts", str(self.max_restarts), "--start-method", "spawn",
-               "--shutdown-timeout", "2", WORKER, str(self.out), *worker_args]
-        p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(self.command(*worker_args), cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.agents.append(p)
         return p
 

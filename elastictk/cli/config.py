@@ -79,6 +79,9 @@ class LaunchConfig:
     restart_intensity: tuple[int, float] | None = None
     restart_backoff: float = 0.0
     rdzv_token: str | None = field(default=None, repr=False)
+    # Every member of an etcd cluster (``--rdzv-endpoint a:2379,b:2379,c:2379``), in order;
+    # ``rdzv_endpoint`` is the first. Empty for the other backends.
+    rdzv_endpoints: tuple[Endpoint, ...] = ()
     event_log: str | None = None
     warnings: tuple[str, ...] = ()
 

@@ -130,6 +130,7 @@ def config_from_namespace(
     ep_where = at("rdzv_endpoint", "--rdzv-endpoint")
     rdzv_endpoint: Endpoint | None = None
     rdzv_path: str | None = None
+    etcd_members: tuple[Endpoint, ...] = ()
     if backend == "file":
         if not endpoint_text:
             raise UsageError("--rdzv-backend file needs --rdzv-endpoint PATH (a file on a "
@@ -146,9 +147,15 @@ def config_from_namespace(
         if master_port == 0 and max_nodes > 1:
             raise UsageError(f"{at('master_port', '--master-port')}: port 0 (a free port only "
                              "node 0 knows) cannot work with several nodes; give a fixed port")
+    elif backend == "etcd":
+        etcd_members = tuple(_endpoint(t.strip(), ep_where, DEFAULT_ETCD_PORT)
+                             for t in (endpoint_text or "localhost").split(",") if t.strip())
+        if not etcd_members:
+            raise UsageError(f"{ep_where}: no etcd endpoint given; use host:port[,host:port...]")
+        rdzv_endpoint = etcd_members[0]
     else:
-        default_port = DEFAULT_ETCD_PORT if backend == "etcd" else DEFAULT_C10D_PORT
-        rdzv_endpoint = _endpoint(endpoint_text or "localhost", ep_where, default_port)
+        rdzv_endpoint = _endpoint(endpoint_text or "localhost", ep_where, DEFAULT_C10D_PORT)
+    if backend in ("c10d", "etcd"):
         if node_rank != 0:
             warnings.append(
                 f"--node-rank is only used by the static backend; ignored with {backend}"
@@ -238,7 +245,7 @@ def config_from_namespace(
             ns.restart_intensity, at("restart_intensity", "--restart-intensity"))),
         restart_backoff=(0.0 if ns.restart_backoff is None else parse_seconds(
             ns.restart_backoff, at("restart_backoff", "--restart-backoff"), allow_zero=True)),
-        rdzv_token=token or None, event_log=ns.event_log or None, warnings=tuple(warnings),
+        rdzv_token=token or None, rdzv_endpoints=etcd_members, event_log=ns.event_log or None, warnings=tuple(warnings),
     )
     problems = validate(config)
     if problems:

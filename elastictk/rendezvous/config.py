@@ -1,7 +1,7 @@
 """Rendezvous settings, validated once so bad values fail at start-up, not mid-job."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class RendezvousConfig:
     join_timeout: float = 600.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    # The job-wide secret (--rdzv-token): records are signed with it and nodes without it are
+    # refused. None: nothing is signed, as in torchrun.
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         problems = []

@@ -16,3 +16,7 @@ class RendezvousClosed(RendezvousError):
 
 class RendezvousStateError(RendezvousError):
     """The store holds something that is not elastictk rendezvous state (names the key)."""
+
+
+class RendezvousAuthError(RendezvousStateError):
+    """A record is not signed with the job's token, or this node does not know the token."""

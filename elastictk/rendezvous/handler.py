@@ -7,6 +7,7 @@ themselves live in :mod:`elastictk.rendezvous.decide`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -15,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..store import PrefixStore, Store, StoreTimeout
+from .auth import ALG, Signer
 from .config import RendezvousConfig
 from .decide import Arrival, Close, Fail, RoundView, Wait, decide, round_to_join
-from .errors import RendezvousClosed, RendezvousTimeout
+from .errors import RendezvousAuthError, RendezvousClosed, RendezvousTimeout
 from .liveness import Heartbeat, LivenessTracker, read_counters
 from .records import (
     Member,
@@ -30,6 +32,8 @@ from .records import (
     round_key,
     slot_key,
 )
+
+log = logging.getLogger("elastictk.rendezvous")
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,39 @@ class RendezvousHandler:
         self._heartbeat: Heartbeat | None = None
         self.tracker = LivenessTracker(config.heartbeat_timeout)
         self.current: RoundInfo | None = None
+        self.signer = Signer(config.token)
+        self._admitted = False
+        self._ignored: set[str] = set()
+
+    def _k(self, key: str) -> str:
+        """The full store key (what a record's MAC covers and what errors name)."""
+        return f"{self.prefix}/{key}"
+
+    def _ignore(self, key: str, why: str) -> None:
+        if key not in self._ignored:
+            self._ignored.add(key)
+            log.warning("ignored store key %r: %s", self._k(key), why)
+
+    def _admit(self) -> None:
+        """Stamp the job with our token mode, or check that we may join the job stamped so."""
+        if self._admitted:
+            return
+        mine = self.note("auth", auth=ALG if self.signer.enabled else "none")
+        raw = self.store.compare_set("auth", None, mine) or mine
+        self.signer.admit(self._k("auth"), decode_note(self._k("auth"), raw), self.config.job_id, self.node_id)
+        self._admitted = True
+
+    def verified(self, key: str, raw: bytes | None) -> bool:
+        """Whether the note at ``key`` (``lost/..``, ``shutdown``) is signed with our token;
+        a forged one is ignored with a warning naming the key, never believed."""
+        if raw is None:
+            return False
+        try:
+            decode_note(self._k(key), raw, self.signer)
+            return True
+        except RendezvousAuthError as e:
+            self._ignore(key, str(e))
+            return False
 
     # -- joining ----------------------------------------------------------------------------
     def next_round(self) -> RoundInfo:
@@ -87,6 +124,7 @@ class RendezvousHandler:
         """
         cfg = self.config
         deadline = self._clock() + cfg.join_timeout
+        self._admit()
         self.start_heartbeat()
         floor = 1
         while True:
@@ -98,7 +136,7 @@ class RendezvousHandler:
                 )
             n = self._open_round(floor)
             seq = self.store.add(round_key(n, "arrivals"), 1)
-            self.store.set(slot_key(n, seq), NodeRecord(self.node_id, self.meta).to_json())
+            self.store.set(slot_key(n, seq), NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot_key(n, seq))))
             result = self._await(n, seq, deadline)
             if result.shutdown is not None:
                 raise RendezvousClosed(f"job {cfg.job_id!r} has finished ({result.shutdown}); nothing to join")
@@ -139,12 +177,12 @@ class RendezvousHandler:
         cfg = self.config
         result_key = round_key(n, "result")
         previous = self._read_result(n - 1) if n > 1 else None
-        records: dict[int, Arrival] = {}
+        records: dict[int, Arrival | None] = {}
         opened_at, min_reached_at = self._clock(), None
         while True:
             raw = self.store.try_get(result_key)
             if raw is not None:
-                return decode_result(self.prefix + "/" + result_key, raw)
+                return decode_result(self._k(result_key), raw, self.signer)
             now = self._clock()
             if self._closer_alive_before(n, seq, records, now):
                 if now >= deadline:
@@ -164,8 +202,9 @@ class RendezvousHandler:
             view = RoundView(n, tuple(arrivals), previous, dead, now, opened_at, min_reached_at)
             decision = decide(view, cfg)
             if isinstance(decision, Close):
-                won = self.store.compare_set(result_key, None, RoundResult(n, decision.members).to_json())
-                return decode_result(self.prefix + "/" + result_key, won or b"")
+                mine = RoundResult(n, decision.members).to_json(self.signer, self._k(result_key))
+                won = self.store.compare_set(result_key, None, mine)
+                return decode_result(self._k(result_key), won or b"", self.signer)
             if isinstance(decision, Fail):
                 raise RendezvousTimeout(decision.reason)
             assert isinstance(decision, Wait)
@@ -178,7 +217,7 @@ class RendezvousHandler:
             wake = decision.wake_seq if hole is None else hole
             self._wait_for([slot_key(n, wake)], until - now, also=result_key)
 
-    def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival], now: float) -> bool:
+    def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival | None], now: float) -> bool:
         """Whether an earlier arrival than us is alive to close the round.
 
         Slots are read from the first on, in batches of 1, 2, 4, ... and only until a live
@@ -192,25 +231,31 @@ class RendezvousHandler:
             for a in self._read_slots(n, cache, lo, hi):
                 if a.node_id == self.node_id:
                     return False
-                lost = self.store.try_get(f"lost/{a.node_id}") is not None
+                lost = self.verified(f"lost/{a.node_id}", self.store.try_get(f"lost/{a.node_id}"))
                 if not lost and not self._dead([a.node_id], now, set()):
                     return True
             lo, size = hi + 1, size * 2
         return False
 
-    def _read_slots(self, n: int, cache: dict[int, Arrival], lo: int, hi: int) -> list[Arrival]:
+    def _read_slots(self, n: int, cache: dict[int, Arrival | None], lo: int, hi: int) -> list[Arrival]:
         """Slots lo..hi that are written (a node bumps the counter before it writes its
         slot); records never change, so each is read once."""
         missing = [s for s in range(lo, hi + 1) if s not in cache]
         if missing:
             for s, raw in zip(missing, self.store.multi_get([slot_key(n, s) for s in missing])):
                 if raw is not None:
-                    rec = decode_node(f"{self.prefix}/{slot_key(n, s)}", raw)
+                    try:
+                        rec = decode_node(self._k(slot_key(n, s)), raw, self.signer)
+                    except RendezvousAuthError as e:  # a stranger's join: never counted
+                        self._ignore(slot_key(n, s), str(e))
+                        cache[s] = None
+                        continue
                     cache[s] = Arrival(s, rec.node_id, rec.meta)
-        return [cache[s] for s in range(lo, hi + 1) if s in cache]
+        return [a for a in (cache.get(s) for s in range(lo, hi + 1)) if a is not None]
 
     def _lost(self) -> set[str]:
-        return {k[len("lost/"):] for k in self.store.keys("lost/")}
+        keys = self.store.keys("lost/")
+        return {k[len("lost/"):] for k, raw in zip(keys, self.store.multi_get(keys)) if self.verified(k, raw)}
 
     def _dead(self, node_ids: list[str], now: float, lost: set[str] | None = None) -> frozenset[str]:
         if not node_ids:
@@ -232,12 +277,13 @@ class RendezvousHandler:
 
     def _read_result(self, n: int) -> RoundResult | None:
         raw = self.store.try_get(round_key(n, "result"))
-        return None if raw is None else decode_result(f"{self.prefix}/{round_key(n, 'result')}", raw)
+        return None if raw is None else decode_result(self._k(round_key(n, "result")), raw, self.signer)
 
     def _raise_if_shut_down(self) -> None:
         raw = self.store.try_get("shutdown")
-        if raw is not None:
-            reason = decode_note(f"{self.prefix}/shutdown", raw).get("reason", "finished")
+        if self.verified("shutdown", raw):
+            assert raw is not None
+            reason = decode_note(self._k("shutdown"), raw).get("reason", "finished")
             raise RendezvousClosed(f"job {self.config.job_id!r} has finished ({reason}); nothing to join")
 
     # -- while running ----------------------------------------------------------------------
@@ -248,15 +294,20 @@ class RendezvousHandler:
 
     def mark_lost(self, node_id: str, reason: str) -> None:
         """Publish that ``node_id`` is gone, so the next round's closer need not wait for it."""
-        self.store.compare_set(f"lost/{node_id}", None, encode_note(by=self.node_id, reason=reason))
+        self.store.compare_set(f"lost/{node_id}", None, self.note(f"lost/{node_id}", by=self.node_id, reason=reason))
+
+    def note(self, key: str, **body: Any) -> bytes:
+        """A JSON note for ``key``, signed when the job has a token."""
+        return encode_note(self.signer, self._k(key), **body)
 
     def shutdown(self, reason: str = "finished") -> None:
         """Close the job: every node waiting now or arriving later gets :class:`RendezvousClosed`."""
-        self.store.compare_set("shutdown", None, encode_note(reason=reason, by=self.node_id))
+        self.store.compare_set("shutdown", None, self.note("shutdown", reason=reason, by=self.node_id))
         latest = self.store.add("latest", 0)
         for n in (latest, latest + 1):
             if n > 0:
-                self.store.compare_set(round_key(n, "result"), None, RoundResult(n, shutdown=reason).to_json())
+                key = round_key(n, "result")
+                self.store.compare_set(key, None, RoundResult(n, shutdown=reason).to_json(self.signer, self._k(key)))
 
     def close(self, leaving: bool = True) -> None:
         """Stop heartbeating; ``leaving`` tells peers at once instead of after the timeout."""
@@ -264,7 +315,13 @@ class RendezvousHandler:
             self._heartbeat.stop(leaving=leaving)
             self._heartbeat = None
 
+    def heartbeat_silence(self) -> float:
+        """Seconds since this node's heartbeat last reached the store (0 when not beating)."""
+        hb = self._heartbeat
+        return 0.0 if hb is None else hb.silent_for()
+
     @property
     def heartbeat_error(self) -> str | None:
         hb = self._heartbeat
         return None if hb is None or hb.last_error is None else str(hb.last_error)
+

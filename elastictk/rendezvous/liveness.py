@@ -7,6 +7,7 @@ therefore judged like any other, and a clock jump cannot kill a healthy node.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from ..store import Store, StoreError
@@ -78,6 +79,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self.last_error: StoreError | None = None
         self._store.add(self._key, 1)  # the first beat is synchronous: the key exists on return
+        self.last_ok = time.monotonic()  # when a beat last reached the store (local clock)
         self._thread = threading.Thread(target=self._run, name=f"elastictk-heartbeat-{node_id}", daemon=True)
         self._thread.start()
 
@@ -85,17 +87,27 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 self._store.add(self._key, 1)
+                self.last_ok = time.monotonic()
                 self.last_error = None
             except StoreError as e:
                 self.last_error = e
 
+    def silent_for(self) -> float:
+        """Seconds since a beat last reached the store, on this node's monotonic clock."""
+        return time.monotonic() - self.last_ok
+
     def stop(self, leaving: bool = False) -> None:
-        """Stop beating; ``leaving`` marks the node as gone at once instead of after a timeout."""
+        """Stop beating; ``leaving`` marks the node as gone at once instead of after a timeout.
+
+        A node whose beats stopped reaching the store (a cut link) does not try to say
+        goodbye: that write would block on the dead connection, and its peers already know.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=self._interval + 5)
-        if leaving:
+        cut_off = self.silent_for() > 2 * self._interval + 1
+        self._thread.join(timeout=0 if cut_off else self._interval + 5)
+        if leaving and not cut_off:
             try:
                 self._store.set(self._key, str(LEFT).encode())
             except StoreError:

@@ -3,8 +3,11 @@
 One key per node and per round, counters for arrival order: K joining nodes each write their own
 slot and bump one counter once, instead of retrying a compare-and-set on one shared blob.
 
+With a job token every JSON record carries a MAC (:mod:`elastictk.rendezvous.auth`).
+
 Layout (under the job's prefix)::
 
+    auth                    JSON: whether the job uses a token (signed with it), set by the first node
     latest                  counter: newest round opened (rounds start at 1)
     shutdown                JSON: the job finished; late joiners are told so
     r/<n>/arrivals          counter: arrival order in round n
@@ -21,7 +24,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .auth import Signer
 from .errors import RendezvousStateError
+
+_OPEN = Signer(None)  # no token: nothing signed, nothing checked
 
 SCHEMA = "elastictk.rdzv/1"
 
@@ -45,8 +51,8 @@ class NodeRecord:
     node_id: str
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> bytes:
-        return _dump({"node_id": self.node_id, "meta": self.meta})
+    def to_json(self, signer: Signer = _OPEN, key: str = "") -> bytes:
+        return _dump({"node_id": self.node_id, "meta": self.meta}, signer, key)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class RoundResult:
     members: tuple[Member, ...] = ()
     shutdown: str | None = None
 
-    def to_json(self) -> bytes:
+    def to_json(self, signer: Signer = _OPEN, key: str = "") -> bytes:
         body: dict[str, Any] = {"round": self.round}
         if self.shutdown is not None:
             body["shutdown"] = self.shutdown
@@ -72,7 +78,7 @@ class RoundResult:
             body["members"] = [
                 {"node_id": m.node_id, "rank": m.rank, "meta": m.meta} for m in self.members
             ]
-        return _dump(body)
+        return _dump(body, signer, key)
 
     def rank_of(self, node_id: str) -> int | None:
         for m in self.members:
@@ -81,11 +87,18 @@ class RoundResult:
         return None
 
 
-def _dump(body: dict[str, Any]) -> bytes:
-    return json.dumps({"schema": SCHEMA, **body}, separators=(",", ":"), sort_keys=True).encode()
+def _dump(body: dict[str, Any], signer: Signer = _OPEN, key: str = "") -> bytes:
+    """Schema-tagged JSON, with a MAC over ``key`` and the body when the job has a token."""
+    sealed = signer.seal(key, {"schema": SCHEMA, **body})
+    return json.dumps(sealed, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _load(key: str, raw: bytes) -> dict[str, Any]:
+def _load(key: str, raw: bytes, signer: Signer = _OPEN) -> dict[str, Any]:
+    """The record at ``key``: never unpickled, only JSON; errors name the key."""
+    return signer.check(key, _parse(key, raw))
+
+
+def _parse(key: str, raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -108,8 +121,8 @@ def _bad(key: str, why: str) -> RendezvousStateError:
     )
 
 
-def decode_node(key: str, raw: bytes) -> NodeRecord:
-    data = _load(key, raw)
+def decode_node(key: str, raw: bytes, signer: Signer = _OPEN) -> NodeRecord:
+    data = _load(key, raw, signer)
     node_id, meta = data.get("node_id"), data.get("meta", {})
     if not isinstance(node_id, str) or not node_id:
         raise _bad(key, "node_id missing")
@@ -118,8 +131,8 @@ def decode_node(key: str, raw: bytes) -> NodeRecord:
     return NodeRecord(node_id, meta)
 
 
-def decode_result(key: str, raw: bytes) -> RoundResult:
-    data = _load(key, raw)
+def decode_result(key: str, raw: bytes, signer: Signer = _OPEN) -> RoundResult:
+    data = _load(key, raw, signer)
     n = data.get("round")
     if not isinstance(n, int):
         raise _bad(key, "round missing")
@@ -140,9 +153,9 @@ def decode_result(key: str, raw: bytes) -> RoundResult:
     return RoundResult(n, tuple(out))
 
 
-def encode_note(**body: Any) -> bytes:
-    return _dump(body)
+def encode_note(signer: Signer = _OPEN, key: str = "", **body: Any) -> bytes:
+    return _dump(body, signer, key)
 
 
-def decode_note(key: str, raw: bytes) -> dict[str, Any]:
-    return _load(key, raw)
+def decode_note(key: str, raw: bytes, signer: Signer = _OPEN) -> dict[str, Any]:
+    return _load(key, raw, signer)

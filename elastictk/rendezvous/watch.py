@@ -11,9 +11,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..store import StoreError, StoreTimeout
+from ..store import StoreError, StoreTimeout, StoreUnreachable
+from .errors import RendezvousError
 from .liveness import LivenessTracker, read_counters
-from .records import encode_note, round_key
+from .records import round_key, slot_key
 
 if TYPE_CHECKING:
     from .handler import RendezvousHandler, RoundInfo
@@ -33,6 +34,7 @@ class MembershipWatch:
         self._on_change = on_change
         self.reason: str | None = None
         self.lost: list[str] = []
+        self._strangers: set[int] = set()
         self.store_error: StoreError | None = None
         self.changed = threading.Event()
         self._handler = handler
@@ -44,6 +46,27 @@ class MembershipWatch:
         self._watched = {m.node_id: m.rank for m in picks if m.node_id != handler.node_id}
         self._thread = threading.Thread(target=self._run, name=f"elastictk-watch-r{info.round}", daemon=True)
         self._thread.start()
+        self._fence_thread = threading.Thread(target=self._fence, name=f"elastictk-fence-r{info.round}", daemon=True)
+        self._fence_thread.start()
+
+    def _fence(self) -> None:
+        """Signal when this node's own heartbeat has not reached the store for the timeout.
+
+        Its peers then count it as lost and form a round without it (split brain otherwise),
+        and every store call of this node may hang on the dead link; this thread makes no
+        store call, so it notices on its own clock and the agent stops its workers.
+        """
+        cfg = self._handler.config
+        while not self._stop.wait(cfg.heartbeat_interval):
+            silent = self._handler.heartbeat_silence()
+            if silent >= cfg.heartbeat_timeout and not self.changed.is_set():
+                self.store_error = StoreUnreachable(
+                    f"node {self._handler.node_id}'s heartbeat has not reached the rendezvous store for "
+                    f"{silent:.1f}s (heartbeat_timeout {cfg.heartbeat_timeout:g}s): its peers count it as "
+                    "lost, so it stops its workers; check the network between this host and the store"
+                )
+                self._signal(str(self.store_error))
+                return
 
     def _signal(self, reason: str) -> None:
         self.reason = reason
@@ -54,24 +77,26 @@ class MembershipWatch:
     def _run(self) -> None:
         cfg = self._handler.config
         tracker = LivenessTracker(cfg.heartbeat_timeout)
-        next_arrivals = round_key(self.info.round + 1, "arrivals")
+        nxt = self.info.round + 1
+        next_arrivals = round_key(nxt, "arrivals")
+        wait_key = next_arrivals
         try:
             while not self._stop.is_set():
                 try:
-                    self._store.wait([next_arrivals], cfg.heartbeat_interval)
+                    self._store.wait([wait_key], cfg.heartbeat_interval)
                     if self._stop.is_set():
                         return
-                    if self._store.try_get("shutdown") is not None:
+                    if self._handler.verified("shutdown", self._store.try_get("shutdown")):
                         return self._signal("the job was shut down")
-                    raw = self._store.try_get(next_arrivals)
-                    if raw is None:
-                        # c10d's wait can return without the key while an earlier round's
-                        # watch (stopped, not joined) still waits on the same server.
-                        continue
-                    count = int(raw)
-                    return self._signal(f"round {self.info.round + 1} opened: {count} node(s) arrived")
+                    wait_key = next_arrivals
                 except StoreTimeout:
                     pass
+                if wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
+                    count = int(self._store.try_get(next_arrivals) or b"0")
+                    first_unread = self._first_trusted(nxt, count)
+                    if first_unread is None:
+                        return self._signal(f"round {nxt} opened: {count} node(s) arrived")
+                    wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
                 now = time.monotonic()
                 for node_id, value in read_counters(self._store, list(self._watched)).items():
                     tracker.observe(node_id, value, now)
@@ -79,15 +104,35 @@ class MembershipWatch:
                         silent = tracker.silent_for(node_id, now)
                         why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
                         self._store.compare_set(
-                            f"lost/{node_id}", None, encode_note(by=self._handler.node_id, reason=why)
+                            f"lost/{node_id}", None, self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
                         )
                         self.lost.append(node_id)
                         return self._signal(why)
         except StoreError as e:
             self.store_error = e
             self._signal(f"lost the rendezvous store: {e}")
+        except RendezvousError as e:  # garbage in the store: the agent ends with the key named
+            self.store_error = StoreError(str(e))
+            self._signal(str(e))
         finally:
             self._store.close()
+
+    def _first_trusted(self, n: int, count: int) -> int | None:
+        """None when a node of this job (its join record signed with the token) arrived for
+        round ``n``; else the first slot not yet written, to wait on. A stranger's arrival
+        (an unsigned or forged record) never makes the job re-form."""
+        if not self._handler.signer.enabled:
+            return None
+        seqs = [s for s in range(1, count + 1) if s not in self._strangers]
+        first_unread = count + 1
+        for seq, raw in zip(seqs, self._store.multi_get([slot_key(n, s) for s in seqs])):
+            if raw is None:
+                first_unread = min(first_unread, seq)
+            elif self._handler.verified(slot_key(n, seq), raw):
+                return None
+            else:
+                self._strangers.add(seq)
+        return first_unread
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.changed.wait(timeout)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousHandler, RoundInfo
+from ..rendezvous import (
+    MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousError, RendezvousHandler, RoundInfo,
+)
 from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, assign_ranks
@@ -108,6 +110,11 @@ class ElasticAgent:
             self.group.stop()
             self._emit("store_lost", error=str(e))
             return AgentResult("failed", 1, str(e), attempts=self.attempts)
+        except RendezvousError as e:
+            # Refused (no token), forged or foreign state, too few nodes: one line, no traceback.
+            self.group.stop()
+            self._emit("rendezvous_failed", error=str(e))
+            return AgentResult("failed", 1, str(e), attempts=self.attempts)
         finally:
             self._restore_signals()
             self.group.close()
@@ -143,10 +150,11 @@ class ElasticAgent:
                 self._emit("job_finished_elsewhere", message=str(e))
                 return AgentResult("finished-elsewhere", 0, f"{e}; exiting", attempts=self.attempts)
             self.current = info
-            restarts = restart_count(handler.store)
+            restarts = restart_count(handler.store, handler.signer, handler.prefix)
             assignment = self._assignment(info, restarts, addr)
             self._emit("round_joined", round=info.round, rank=info.rank, world=info.world_size)
-            coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake)
+            coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
+                                     signer=handler.signer, where=(handler.prefix, info.store_prefix))
             watch = MembershipWatch(handler, info, on_change=group.wake)
             try:
                 group.start(self.attempts, assignment)
@@ -343,15 +351,15 @@ def local_address(store_endpoint: str | None) -> str:
     Hostnames do not resolve in every cluster (or test network namespace); the source address
     of a route to the rendezvous endpoint does, when there is one.
     """
-    if store_endpoint:
-        from ..store import parse_endpoint
+    from ..store import parse_endpoint
 
+    for text in (store_endpoint or "").split(","):  # etcd: a list of members
         try:
-            ep = parse_endpoint(store_endpoint, 1)
+            ep = parse_endpoint(text.strip(), 1)
             family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((ep.host, ep.port or 1))
                 return str(s.getsockname()[0])
         except (OSError, ValueError):
-            pass
+            continue
     return socket.getfqdn()

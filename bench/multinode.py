@@ -1,0 +1,269 @@
+"""Multinode: three test hosts train together; one host is lost; how long until the rest train.
+
+Three hosts are network namespaces on a private bridge (``tests/netns.py``: root and iproute2;
+traffic stays inside them). Each runs one launcher agent with two workers
+(``bench/_multinode_worker.py``: gloo all-reduce per step), ``--nnodes 2:3``, c10d store on
+host A. Once all six ranks are stepping, the whole of host C (its agent and every process under
+it) is SIGKILLed at once, like a machine that loses power. The sample is the time from that
+kill until every rank of the new 4-rank job has logged a step.
+
+Both launchers get the same budget to notice a silent host: elastictk ``heartbeat_timeout=2``
+(``heartbeat_interval=0.2``), torchrun ``keep_alive_interval=1,keep_alive_max_attempt=2``; both
+``--max-restarts 3`` and ``last_call_timeout=1``. torchrun runs with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see the recovery benchmark).
+
+Losing host A, the c10d store's host, is reported in the notes: what each launcher does, and
+elastictk with ``--rdzv-backend etcd`` (a 3-member etcd cluster, one member per host), which
+recovers from it. ``--quick`` runs elastictk only, once: a smoke test of the set-up.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
+
+TITLE = "Multinode: three hosts (network namespaces) recover from the loss of one, elastictk-run vs torchrun"
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "bench" / "_multinode_worker.py")
+PORT = 29400
+START_TIMEOUT = 120.0
+RECOVERY_TIMEOUT = 90.0
+PROBE_TIMEOUT = 45.0
+ELASTICTK_CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
+TORCH_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+
+
+def _argv(launcher: str, backend: str, endpoint: str, run_id: str, out: Path, store_host: bool) -> list[str]:
+    common = ["--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", backend,
+              "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "3"]
+    if launcher == "elastictk":
+        return [sys.executable, "-m", "elastictk.run", *common, "--rdzv-conf", ELASTICTK_CONF,
+                "--shutdown-timeout", "2", WORKER, str(out)]
+    # torchrun finds "the endpoint is me" by host name, which the test hosts share; say it.
+    conf = TORCH_CONF + (",is_host=1" if store_host and backend == "c10d" else "")
+    return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-conf", conf,
+            "--monitor-interval", "0.1", WORKER, str(out)]
+
+
+class Run:
+    """One job across the hosts: start, wait for steps, kill a host, reap everything."""
+
+    def __init__(self, hosts: "Hosts", launcher: str, base: Path, tag: str, backend: str = "c10d",
+                 endpoint: str | None = None) -> None:
+        self.hosts, self.launcher = hosts, launcher
+        self.out = base / tag
+        self.out.mkdir()
+        self.endpoint = endpoint or f"{hosts[0].addr}:{PORT}"
+        self.backend = backend
+        self.agents: list[subprocess.Popen[str]] = []
+        self.pids: list[int] = []
+        # gloo would bind to what the host name resolves to (127.0.0.1 here, a loopback each
+        # namespace has its own of): name the interface, as on a multi-NIC cluster.
+        env = dict(os.environ, TMPDIR=str(self.out), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   GLOO_SOCKET_IFNAME="eth0")
+        for i, h in enumerate(hosts):
+            argv = _argv(launcher, backend, self.endpoint, tag, self.out, store_host=(i == 0))
+            # Every test host has the machine's host name, which resolves to loopback: tell
+            # each launcher the address its peers reach it at (torchrun needs it; both get it).
+            argv[3:3] = ["--local-addr", h.addr]
+            log = open(self.out / f"agent{i}.log", "w")
+            self.agents.append(h.popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+            if i == 0 and backend == "c10d":
+                _wait_listening(hosts[1], hosts[0].addr, PORT)
+
+    def steps(self) -> list[tuple[float, int, int]]:
+        path = self.out / "steps.log"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:
+                out.append((float(parts[0]), int(parts[1]), int(parts[2])))
+        return out
+
+    def all_stepping(self, world: int, after: float) -> float | None:
+        """When every rank of a ``world``-rank job had logged a step after ``after``."""
+        first: dict[int, float] = {}
+        for t, w, r in self.steps():
+            if w == world and t > after and r not in first:
+                first[r] = t
+        return max(first.values()) if len(first) == world else None
+
+    def wait(self, what: str, pred: Callable[[], float | None], timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = pred()
+            if got is not None:
+                return got
+            time.sleep(0.05)
+        raise BenchError(f"{self.launcher}: {what} not within {timeout:g}s; {self.tail()}")
+
+    def tail(self) -> str:
+        logs = []
+        for i in range(len(self.agents)):
+            text = (self.out / f"agent{i}.log").read_text(errors="replace")
+            logs.append(f"host {i}: " + " / ".join(text.strip().splitlines()[-3:]))
+        return "; ".join(logs)
+
+    def kill_host(self, i: int) -> float:
+        """SIGKILL host ``i``'s agent and every process under it at once; the kill's time."""
+        root = psutil.Process(self.agents[i].pid)
+        procs = [root] + root.children(recursive=True)
+        self.pids += [p.pid for p in procs]
+        t = time.monotonic()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return t
+
+    def close(self) -> list[int]:
+        """Kill what is left (by PID, trees first) and return every PID this run started."""
+        for a in self.agents:
+            try:
+                root = psutil.Process(a.pid)
+                procs = [root] + root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                procs = []
+            self.pids += [p.pid for p in procs]
+            for p in procs:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            a.wait()
+        return self.pids + [a.pid for a in self.agents]
+
+
+def _wait_listening(host: "Host", addr: str, port: int, timeout: float = 60) -> None:
+    import socket
+
+    def probe() -> bool:
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while not host.call(probe):
+        if time.monotonic() > deadline:
+            raise BenchError(f"nothing listens at {addr}:{port} after {timeout:g}s")
+        time.sleep(0.05)
+
+
+def _lose_a_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int]) -> float:
+    run = Run(hosts, launcher, base, tag)
+    try:
+        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
+        t_kill = run.kill_host(2)
+        done = run.wait("four ranks stepping after host C was lost",
+                        lambda: run.all_stepping(4, t_kill), RECOVERY_TIMEOUT)
+        return done - t_kill
+    finally:
+        pids += run.close()
+
+
+def _lose_the_store_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int],
+                         backend: str = "c10d", endpoint: str | None = None,
+                         also_kill: Callable[[], None] | None = None) -> str:
+    """What happens when host A (the c10d store's host, or an etcd member's) is lost."""
+    run = Run(hosts, launcher, base, tag, backend=backend, endpoint=endpoint)
+    try:
+        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
+        t_kill = run.kill_host(0)
+        if also_kill is not None:
+            also_kill()  # the host's etcd member dies with it
+        deadline = t_kill + PROBE_TIMEOUT
+        recovered = None
+        while time.monotonic() < deadline:
+            recovered = run.all_stepping(4, t_kill)
+            ended = [a.poll() for a in run.agents[1:]]
+            if recovered is not None or all(c is not None for c in ended):
+                break
+            time.sleep(0.1)
+        ended = [a.poll() for a in run.agents[1:]]
+        waited = time.monotonic() - t_kill
+        if recovered is not None:
+            return f"recovered: 4 ranks stepping {fmt(recovered - t_kill)} s after the kill"
+        if all(c is not None for c in ended):
+            return (f"did not recover: hosts B and C exited with codes {ended} within "
+                    f"{fmt(waited)} s ({run.tail().split('; ')[1][:200]})")
+        return (f"did not recover and did not exit: {PROBE_TIMEOUT:g} s after the kill hosts B "
+                f"and C were still running without training (exit codes {ended})")
+    finally:
+        pids += run.close()
+
+
+def run(cfg: RunConfig) -> BenchResult:
+    sys.path.insert(0, str(ROOT))
+    from tests.netns import Hosts, etcd_members, netns_works
+
+    why = netns_works()
+    if why is not None:
+        raise BenchError(f"test hosts need network namespaces: {why}")
+    rounds = 1 if cfg.quick else 5
+    subjects = ["elastictk"] if cfg.quick else ["elastictk", "torchrun"]
+    base = Path(tempfile.mkdtemp(prefix="elastictk-bench-multinode-"))
+    pids: list[int] = []
+    notes: list[str] = []
+    rows: list[Comparison] = []
+    counter = iter(range(1000))
+    try:
+        with Hosts(3) as hosts:
+            cfg.log(f"{rounds} round(s) of: 3 hosts, lose host C ({', '.join(subjects)})")
+            got = interleaved(subjects, lambda s: _lose_a_host(hosts, s, base, f"{s}-{next(counter)}", pids),
+                              rounds)
+            if cfg.quick:
+                notes.append(f"--quick: elastictk-run only, recovered in {fmt(got['elastictk'][0])} s; "
+                             "torchrun and the store-host probes run in the full benchmark")
+            else:
+                rows.append(Comparison({"lost": "host C (not the store's)"},
+                                       Measured("elastictk-run c10d", got["elastictk"]),
+                                       Measured("torchrun c10d", got["torchrun"])))
+                for launcher in ("elastictk", "torchrun"):
+                    cfg.log(f"lose host A (the c10d store's host) under {launcher}")
+                    what = _lose_the_store_host(hosts, launcher, base, f"{launcher}-store-{next(counter)}", pids)
+                    notes.append(f"{launcher}, c10d, host A (the store's host) lost: {what}")
+                cfg.log("lose host A under elastictk with a 3-member etcd cluster")
+                etcd_dir = base / "etcd"
+                etcd_dir.mkdir()
+                members = etcd_members(hosts, etcd_dir)
+                try:
+                    pids += [m.pid for m in members if m.pid is not None]
+                    endpoints = ",".join(f"{h.addr}:2379" for h in hosts)
+                    what = _lose_the_store_host(hosts, "elastictk", base, f"etcd-{next(counter)}", pids,
+                                                backend="etcd", endpoint=endpoints, also_kill=members[0].kill)
+                finally:
+                    for m in members:
+                        m.close()
+                notes.append("elastictk, etcd (one member per host), host A lost (its agent tree and its "
+                             f"etcd member SIGKILLed at once; two members remain, a quorum): {what}")
+    finally:
+        if not os.environ.get("ELASTICTK_BENCH_KEEP"):
+            shutil.rmtree(base, ignore_errors=True)
+    notes.append("workers are tiny gloo all-reduce loops: the sample is the launchers' own "
+                 "detection, rendezvous and restart, not a model's start-up")
+    return BenchResult(
+        name="multinode", title=TITLE, description=(__doc__ or "").strip(), unit="s",
+        higher_is_better=False, rows=rows, notes=notes,
+        params={"rounds": rounds, "hosts": 3, "nproc_per_node": 2, "elastictk_conf": ELASTICTK_CONF,
+                "torchrun_conf": TORCH_CONF},
+        pids=pids,
+    )
+
+
+if False:  # pragma: no cover - names for type checkers only
+    from tests.netns import Host, Hosts

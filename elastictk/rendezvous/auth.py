@@ -1,0 +1,76 @@
+"""Who may join a job: records signed with the job-wide token (``--rdzv-token``).
+
+Every record that can change membership, ranks or the restart budget carries an HMAC-SHA256
+over its store key and its canonical JSON, keyed by the token. Binding the key means a record
+cannot be replayed elsewhere (an old slot into a new round, one node's note as another's).
+A node that does not know the token can still write bytes into a shared store, but nothing it
+writes is believed: its join record is ignored, its result or budget is rejected naming the
+key. Without a token nothing is signed and nothing is checked, as in torchrun.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+from .errors import RendezvousAuthError
+
+MAC_FIELD = "mac"
+ALG = "hmac-sha256"
+
+
+def canonical(body: dict[str, Any]) -> bytes:
+    """The bytes a MAC covers: the record without its MAC, keys sorted, no spaces."""
+    return json.dumps({k: v for k, v in body.items() if k != MAC_FIELD},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+class Signer:
+    """Signs and checks records for one job; ``Signer(None)`` signs nothing and accepts all."""
+
+    def __init__(self, token: str | None) -> None:
+        self._key = token.encode() if token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def mac(self, key: str, body: dict[str, Any]) -> str:
+        assert self._key is not None
+        return hmac.new(self._key, key.encode() + b"\n" + canonical(body), hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with its MAC for store key ``key`` (unchanged without a token)."""
+        return dict(body, **{MAC_FIELD: self.mac(key, body)}) if self._key else dict(body)
+
+    def verify(self, key: str, body: dict[str, Any]) -> bool:
+        if self._key is None:
+            return True
+        got = body.get(MAC_FIELD)
+        return isinstance(got, str) and hmac.compare_digest(got, self.mac(key, body))
+
+    def check(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` if its MAC is right, else :class:`RendezvousAuthError` naming the key."""
+        if not self.verify(key, body):
+            raise RendezvousAuthError(
+                f"store key {key!r} is not signed with this node's rendezvous token (forged, or "
+                "written by a node with another --rdzv-token): give every node the job's token "
+                "(ELASTICTK_RDZV_TOKEN) or use a fresh --rdzv-id"
+            )
+        return body
+
+    def admit(self, key: str, stamp: dict[str, Any], job_id: str, node_id: str) -> None:
+        """Raise :class:`RendezvousAuthError` unless this node may join the job stamped so."""
+        theirs = stamp.get("auth")
+        if theirs == "none" and self._key is None:
+            return
+        if theirs == ALG and self._key is not None and self.verify(key, stamp):
+            return
+        if theirs == "none":
+            why = "the job runs without a token but this node has one: drop --rdzv-token"
+        elif self._key is None:
+            why = "the job requires a token: set ELASTICTK_RDZV_TOKEN (or --rdzv-token) to it"
+        else:
+            why = "this node's --rdzv-token is not the job's: set ELASTICTK_RDZV_TOKEN to the job's token"
+        raise RendezvousAuthError(f"node {node_id} refused by job {job_id!r} (store key {key!r}): {why}")

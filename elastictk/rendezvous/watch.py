@@ -98,7 +98,7 @@ class MembershipWatch:
                         return self._signal(f"round {nxt} opened: {count} node(s) arrived")
                     wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
                 now = time.monotonic()
-                for node_id, value in read_counters(self._store, list(self._watched)).items():
+                for node_id, value in read_counters(self._store, list(self._watched), self._handler.left_check).items():
                     tracker.observe(node_id, value, now)
                     if tracker.is_dead(node_id, now):
                         silent = tracker.silent_for(node_id, now)

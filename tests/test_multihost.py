@@ -110,13 +110,15 @@ def test_lost_host_leaves_the_rest_running_and_its_return_scales_back_up(c10d_jo
     assert c.returncode == -signal.SIGKILL
 
 
-def assert_stops_cleanly(job: HostJob, agents: list[subprocess.Popen[str]]) -> None:
-    """SIGTERM ``agents``: each stops its workers and exits 128+SIGTERM, none hangs."""
+def assert_stops_cleanly(job: HostJob, agents: list[subprocess.Popen[str]]) -> dict[int, tuple[int, str]]:
+    """SIGTERM ``agents``: each stops its workers and exits 128+SIGTERM, none hangs; PID ->
+    (exit code, stderr) of every agent of the job."""
     for p in agents:
         p.send_signal(signal.SIGTERM)
     results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
     logs = "\n---\n".join(err[-1500:] for _, err in results.values())
     assert [results[p.pid][0] for p in agents] == [128 + signal.SIGTERM] * len(agents), logs
+    return results
 
 
 LINK_CONF = CONF + ",read_timeout=4"
@@ -138,7 +140,10 @@ def test_cut_link_is_detected_by_heartbeat_and_the_cut_host_stops_its_workers(tm
         assert time.monotonic() - cut_at < 60
         alive = [s["pid"] for s in six if psutil.pid_exists(int(s["pid"]))]
         assert alive == [], "every worker of the round before the cut is gone, the cut host's too"
-        assert_stops_cleanly(job, [a, c])
+        assert "heartbeat has not reached the rendezvous store" in err, "the cut host says why it stopped"
+        results = assert_stops_cleanly(job, [a, c])
+        seen = [line for pid in (a.pid, c.pid) for line in results[pid][1].splitlines() if "lost: no heartbeat" in line]
+        assert seen, "the others lost the cut host by its heartbeat"
     finally:
         job.close()
 

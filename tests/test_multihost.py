@@ -194,7 +194,9 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
 def test_etcd_job_survives_the_loss_of_a_store_member_and_its_host(tmp_path: Path, hosts: Hosts) -> None:
     members = etcd_members(hosts, tmp_path)
     endpoints = ",".join(f"{h.addr}:2379" for h in hosts)
-    job = HostJob(tmp_path, hosts, endpoints, backend="etcd")
+    # etcd needs a second or two to elect a new leader when host A's member was the leader:
+    # a heartbeat timeout longer than that, as a real job would use.
+    job = HostJob(tmp_path, hosts, endpoints, backend="etcd", conf=CONF.replace("heartbeat_timeout=2", "heartbeat_timeout=5"))
     try:
         a, b, c = (job.agent_on(h, "--sleep", "300", "--until", "stop") for h in hosts)
         job.wait_for(lambda s: len(by_world(s, 6)) == 6)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..rendezvous.auth import Signer
 from ..rendezvous.errors import RendezvousStateError
-from ..store import Store, StoreError, StoreTimeout
+from ..store import Store, StoreClosed, StoreError, StoreTimeout
 from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
 
 POLICY_KEY = "policy"
@@ -125,6 +125,13 @@ class RoundCoordinator:
                 try:
                     self._watch_store.wait(["failed"], 1.0)
                 except StoreTimeout:
+                    continue
+                except StoreClosed:
+                    return
+                except StoreError:
+                    # Briefly unavailable (an etcd election): keep watching; a store that is
+                    # gone for good is reported by the heartbeat and the membership watch.
+                    self._stop.wait(0.5)
                     continue
                 if not self._stop.is_set():
                     if self.failure_note() is None:  # a stranger's note: not a failure of ours

@@ -25,11 +25,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import psutil
 
 from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
+
+if TYPE_CHECKING:  # pragma: no cover - the test hosts live with the tests (root, iproute2)
+    from tests.netns import Host, Hosts
 
 TITLE = "Multinode: three hosts (network namespaces) recover from the loss of one, elastictk-run vs torchrun"
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,7 +266,3 @@ def run(cfg: RunConfig) -> BenchResult:
                 "torchrun_conf": TORCH_CONF},
         pids=pids,
     )
-
-
-if False:  # pragma: no cover - names for type checkers only
-    from tests.netns import Host, Hosts

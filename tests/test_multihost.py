@@ -103,21 +103,22 @@ def test_lost_host_leaves_the_rest_running_and_its_return_scales_back_up(c10d_jo
     starts = job.wait_for(lambda s: len(by_world(s, 6)) == 12)
     assert sorted(int(s["RANK"]) for s in by_world(starts, 6)[6:]) == list(range(6))
     assert {s["TORCHELASTIC_RESTART_COUNT"] for s in starts} == {"0"}, "scaling up costs no restart"
-    assert_stops_cleanly(job, [a, b, c2])
+    (job.out / "stop").touch()  # the job finishes on its own, on every host
+    results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
+    logs = "\n---\n".join(err[-1500:] for _, err in results.values())
+    assert [results[p.pid][0] for p in (a, b, c2)] == [0, 0, 0], logs
     assert c.returncode == -signal.SIGKILL
 
 
-def assert_stops_cleanly(job: HostJob, agents: list[subprocess.Popen[str]]) -> None:
-    """SIGTERM ``agents``: each stops its workers and exits 128+SIGTERM, none hangs.
-
-    (A job that finishes on its own after a membership change is issue 4's exit barrier,
-    tested on loopback in tests/test_multinode.py; here the hosts are what is under test.)
-    """
+def assert_stops_cleanly(job: HostJob, agents: list[subprocess.Popen[str]]) -> dict[int, tuple[int, str]]:
+    """SIGTERM ``agents``: each stops its workers and exits 128+SIGTERM, none hangs; PID ->
+    (exit code, stderr) of every agent of the job."""
     for p in agents:
         p.send_signal(signal.SIGTERM)
     results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
     logs = "\n---\n".join(err[-1500:] for _, err in results.values())
     assert [results[p.pid][0] for p in agents] == [128 + signal.SIGTERM] * len(agents), logs
+    return results
 
 
 LINK_CONF = CONF + ",read_timeout=4"
@@ -139,7 +140,10 @@ def test_cut_link_is_detected_by_heartbeat_and_the_cut_host_stops_its_workers(tm
         assert time.monotonic() - cut_at < 60
         alive = [s["pid"] for s in six if psutil.pid_exists(int(s["pid"]))]
         assert alive == [], "every worker of the round before the cut is gone, the cut host's too"
-        assert_stops_cleanly(job, [a, c])
+        assert "heartbeat has not reached the rendezvous store" in err, "the cut host says why it stopped"
+        results = assert_stops_cleanly(job, [a, c])
+        seen = [line for pid in (a.pid, c.pid) for line in results[pid][1].splitlines() if "lost: no heartbeat" in line]
+        assert seen, "the others lost the cut host by its heartbeat"
     finally:
         job.close()
 
@@ -190,7 +194,9 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
 def test_etcd_job_survives_the_loss_of_a_store_member_and_its_host(tmp_path: Path, hosts: Hosts) -> None:
     members = etcd_members(hosts, tmp_path)
     endpoints = ",".join(f"{h.addr}:2379" for h in hosts)
-    job = HostJob(tmp_path, hosts, endpoints, backend="etcd")
+    # etcd needs a second or two to elect a new leader when host A's member was the leader:
+    # a heartbeat timeout longer than that, as a real job would use.
+    job = HostJob(tmp_path, hosts, endpoints, backend="etcd", conf=CONF.replace("heartbeat_timeout=2", "heartbeat_timeout=5"))
     try:
         a, b, c = (job.agent_on(h, "--sleep", "300", "--until", "stop") for h in hosts)
         job.wait_for(lambda s: len(by_world(s, 6)) == 6)

@@ -159,3 +159,19 @@ def test_strangers_cannot_spend_the_budget_or_fake_a_failure(server: TCPStore) -
     finally:
         h.close()
         raw.close()
+
+
+def test_a_forged_leave_mark_is_not_believed_a_signed_one_is(server: TCPStore) -> None:
+    cfg = fast("leave", 2, 2, token=TOKEN)
+    a, b = (RendezvousHandler(connect(server), cfg, node_id=n) for n in "ab")
+    raw = connect(server)
+    try:
+        infos(join_all([a, b]))
+        raw.set("rdzv/leave/hb/b", b"-1")  # a stranger marks b as gone
+        assert a._dead(["b"], time.monotonic()) == frozenset(), "b is judged by its counter, not the mark"
+        b.close(leaving=True)  # b really leaves: its signed left/ note comes with the mark
+        assert a._dead(["b"], time.monotonic()) == frozenset({"b"})
+    finally:
+        a.close()
+        b.close()
+        raw.close()

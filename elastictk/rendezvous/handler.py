@@ -103,6 +103,11 @@ class RendezvousHandler:
         self.signer.admit(self._k("auth"), decode_note(self._k("auth"), raw), self.config.job_id, self.node_id)
         self._admitted = True
 
+    @property
+    def left_check(self) -> Callable[[str, bytes | None], bool] | None:
+        """How a LEFT heartbeat mark is checked: None without a token (believed as is)."""
+        return self.verified if self.signer.enabled else None
+
     def verified(self, key: str, raw: bytes | None) -> bool:
         """Whether the note at ``key`` (``lost/..``, ``shutdown``) is signed with our token;
         a forged one is ignored with a warning naming the key, never believed."""
@@ -161,7 +166,8 @@ class RendezvousHandler:
         keeps all that off the rendezvous' critical path. Idempotent; :meth:`close` stops it.
         """
         if self._heartbeat is None:
-            self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval)
+            left = self.note(f"left/{self.node_id}", node_id=self.node_id) if self.signer.enabled else None
+            self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval, left_note=left)
 
     def _open_round(self, floor: int) -> int:
         """The round to join; never below ``floor`` (a round that already closed without us)."""
@@ -260,7 +266,7 @@ class RendezvousHandler:
     def _dead(self, node_ids: list[str], now: float, lost: set[str] | None = None) -> frozenset[str]:
         if not node_ids:
             return frozenset()
-        for node_id, value in read_counters(self.store, node_ids).items():
+        for node_id, value in read_counters(self.store, node_ids, self.left_check).items():
             self.tracker.observe(node_id, value, now)
         lost = self._lost() if lost is None else lost
         return frozenset(n for n in node_ids if n in lost or self.tracker.is_dead(n, now))

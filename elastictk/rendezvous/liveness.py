@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..store import Store, StoreError
 from .records import hb_key
@@ -53,8 +54,13 @@ class LivenessTracker:
         self._seen.pop(node_id, None)
 
 
-def read_counters(store: Store, node_ids: list[str]) -> dict[str, int | None]:
-    """Heartbeat counters of ``node_ids`` in one batched read where the store allows."""
+def read_counters(store: Store, node_ids: list[str],
+                  left_is_signed: Callable[[str, bytes | None], bool] | None = None) -> dict[str, int | None]:
+    """Heartbeat counters of ``node_ids`` in one batched read where the store allows.
+
+    With a job token a counter set to ``LEFT`` counts as a departure only when the node's
+    ``left/<node_id>`` note is signed (``left_is_signed``): anyone can write -1 into a counter.
+    """
     values = store.multi_get([hb_key(n) for n in node_ids])
     out: dict[str, int | None] = {}
     for node_id, raw in zip(node_ids, values):
@@ -62,6 +68,10 @@ def read_counters(store: Store, node_ids: list[str]) -> dict[str, int | None]:
             out[node_id] = None if raw is None else int(raw)
         except ValueError:
             out[node_id] = None
+        if out[node_id] == LEFT and left_is_signed is not None:
+            key = f"left/{node_id}"
+            if not left_is_signed(key, store.try_get(key)):
+                out[node_id] = None  # not believed: judged by its counter moving, as before
     return out
 
 
@@ -72,9 +82,10 @@ class Heartbeat:
     remembers the last store error, so the agent can tell "the store is gone" from "a peer is".
     """
 
-    def __init__(self, store: Store, node_id: str, interval: float) -> None:
+    def __init__(self, store: Store, node_id: str, interval: float, left_note: bytes | None = None) -> None:
         self._store = store.clone()
         self._key = hb_key(node_id)
+        self._left = (f"left/{node_id}", left_note)  # written before the LEFT mark, when given
         self._interval = interval
         self._stop = threading.Event()
         self.last_error: StoreError | None = None
@@ -109,6 +120,8 @@ class Heartbeat:
         self._thread.join(timeout=0 if cut_off else self._interval + 5)
         if leaving and not cut_off:
             try:
+                if self._left[1] is not None:
+                    self._store.set(self._left[0], self._left[1])
                 self._store.set(self._key, str(LEFT).encode())
             except StoreError:
                 pass

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..store import StoreError, StoreTimeout, StoreUnreachable
+from ..store import StoreClosed, StoreError, StoreTimeout, StoreUnreachable
 from .errors import RendezvousError
 from .liveness import LivenessTracker, read_counters
 from .records import round_key, slot_key
@@ -60,10 +60,12 @@ class MembershipWatch:
         while not self._stop.wait(cfg.heartbeat_interval):
             silent = self._handler.heartbeat_silence()
             if silent >= cfg.heartbeat_timeout and not self.changed.is_set():
+                last = self._handler.heartbeat_error
+                why = f"the last attempt: {last}" if last else "check the network between this host and the store"
                 self.store_error = StoreUnreachable(
                     f"node {self._handler.node_id}'s heartbeat has not reached the rendezvous store for "
                     f"{silent:.1f}s (heartbeat_timeout {cfg.heartbeat_timeout:g}s): its peers count it as "
-                    "lost, so it stops its workers; check the network between this host and the store"
+                    f"lost, so it stops its workers; {why}"
                 )
                 self._signal(str(self.store_error))
                 return
@@ -76,38 +78,26 @@ class MembershipWatch:
 
     def _run(self) -> None:
         cfg = self._handler.config
-        tracker = LivenessTracker(cfg.heartbeat_timeout)
-        nxt = self.info.round + 1
-        next_arrivals = round_key(nxt, "arrivals")
-        wait_key = next_arrivals
+        self._tracker = LivenessTracker(cfg.heartbeat_timeout)
+        self._wait_key = round_key(self.info.round + 1, "arrivals")
+        failing_since: float | None = None
         try:
             while not self._stop.is_set():
                 try:
-                    self._store.wait([wait_key], cfg.heartbeat_interval)
-                    if self._stop.is_set():
+                    if self._poll():
                         return
-                    if self._handler.verified("shutdown", self._store.try_get("shutdown")):
-                        return self._signal("the job was shut down")
-                    wait_key = next_arrivals
-                except StoreTimeout:
-                    pass
-                if wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
-                    count = int(self._store.try_get(next_arrivals) or b"0")
-                    first_unread = self._first_trusted(nxt, count)
-                    if first_unread is None:
-                        return self._signal(f"round {nxt} opened: {count} node(s) arrived")
-                    wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
-                now = time.monotonic()
-                for node_id, value in read_counters(self._store, list(self._watched)).items():
-                    tracker.observe(node_id, value, now)
-                    if tracker.is_dead(node_id, now):
-                        silent = tracker.silent_for(node_id, now)
-                        why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
-                        self._store.compare_set(
-                            f"lost/{node_id}", None, self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
-                        )
-                        self.lost.append(node_id)
-                        return self._signal(why)
+                    failing_since = None
+                except StoreError as e:
+                    # A store that is briefly unavailable (an etcd leader election after a
+                    # member died, a slow failover) is not a lost store: retry it until
+                    # heartbeat_timeout. Heartbeats are judged afresh afterwards, since the
+                    # peers could not beat while the store was away either.
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if isinstance(e, StoreClosed) or now - failing_since >= cfg.heartbeat_timeout:
+                        raise
+                    self._tracker = LivenessTracker(cfg.heartbeat_timeout)
+                    self._stop.wait(min(cfg.heartbeat_interval, 0.5))
         except StoreError as e:
             self.store_error = e
             self._signal(f"lost the rendezvous store: {e}")
@@ -116,6 +106,42 @@ class MembershipWatch:
             self._signal(str(e))
         finally:
             self._store.close()
+
+    def _poll(self) -> bool:
+        """One heartbeat interval of watching; True once it has signalled a change."""
+        cfg = self._handler.config
+        nxt = self.info.round + 1
+        next_arrivals = round_key(nxt, "arrivals")
+        try:
+            self._store.wait([self._wait_key], cfg.heartbeat_interval)
+            if self._stop.is_set():
+                return True
+            if self._handler.verified("shutdown", self._store.try_get("shutdown")):
+                self._signal("the job was shut down")
+                return True
+            self._wait_key = next_arrivals
+        except StoreTimeout:
+            pass
+        if self._wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
+            count = int(self._store.try_get(next_arrivals) or b"0")
+            first_unread = self._first_trusted(nxt, count)
+            if first_unread is None:
+                self._signal(f"round {nxt} opened: {count} node(s) arrived")
+                return True
+            self._wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
+        now = time.monotonic()
+        tracker = self._tracker
+        for node_id, value in read_counters(self._store, list(self._watched), self._handler.left_check).items():
+            tracker.observe(node_id, value, now)
+            if tracker.is_dead(node_id, now):
+                silent = tracker.silent_for(node_id, now)
+                why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
+                note = self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
+                self._store.compare_set(f"lost/{node_id}", None, note)
+                self.lost.append(node_id)
+                self._signal(why)
+                return True
+        return False
 
     def _first_trusted(self, n: int, count: int) -> int | None:
         """None when a node of this job (its join record signed with the token) arrived for

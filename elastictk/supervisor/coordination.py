@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..rendezvous.auth import Signer
 from ..rendezvous.errors import RendezvousStateError
-from ..store import Store, StoreError, StoreTimeout
+from ..store import Store, StoreClosed, StoreError, StoreTimeout
 from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
 
 POLICY_KEY = "policy"
@@ -125,6 +125,13 @@ class RoundCoordinator:
                 try:
                     self._watch_store.wait(["failed"], 1.0)
                 except StoreTimeout:
+                    continue
+                except StoreClosed:
+                    return
+                except StoreError:
+                    # Briefly unavailable (an etcd election): keep watching; a store that is
+                    # gone for good is reported by the heartbeat and the membership watch.
+                    self._stop.wait(0.5)
                     continue
                 if self._watch_store.try_get("failed") is None:
                     # c10d's wait can return without the key when an earlier round's watch

@@ -82,7 +82,10 @@ class Run:
             self.agents.append(h.popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
             log.close()
             if i == 0 and backend == "c10d":
-                _wait_listening(hosts[1], hosts[0].addr, PORT)
+                try:
+                    hosts[1].wait_listening(hosts[0].addr, PORT)
+                except TimeoutError as e:
+                    raise BenchError(str(e)) from None
 
     def steps(self) -> list[tuple[float, int, int]]:
         path = self.out / "steps.log"
@@ -148,23 +151,6 @@ class Run:
                     pass
             a.wait()
         return self.pids + [a.pid for a in self.agents]
-
-
-def _wait_listening(host: "Host", addr: str, port: int, timeout: float = 60) -> None:
-    import socket
-
-    def probe() -> bool:
-        try:
-            socket.create_connection((addr, port), timeout=1).close()
-            return True
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + timeout
-    while not host.call(probe):
-        if time.monotonic() > deadline:
-            raise BenchError(f"nothing listens at {addr}:{port} after {timeout:g}s")
-        time.sleep(0.05)
 
 
 def _lose_a_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int]) -> float:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
@@ -70,6 +72,22 @@ class Host:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in a thread inside this host's namespace and return its result."""
         return self._thread.submit(fn, *args).result()
+
+    def wait_listening(self, addr: str, port: int, timeout: float = 60) -> None:
+        """Block until something accepts TCP connections at ``addr:port`` as seen from this
+        host; ``TimeoutError`` naming the address after ``timeout`` seconds."""
+        def probe() -> bool:
+            try:
+                socket.create_connection((addr, port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + timeout
+        while not self.call(probe):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens at {addr}:{port} after {timeout:g}s")
+            time.sleep(0.05)
 
     def link_down(self) -> None:
         """Cut the cable: the bridge side goes down, packets to and from this host are dropped."""

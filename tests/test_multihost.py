@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -57,22 +56,6 @@ class HostJob(Job):
         return p
 
 
-def wait_listening(host: Host, addr: str, port: int, timeout: float = 60) -> None:
-    """Block until something accepts TCP connections at ``addr:port`` as seen from ``host``."""
-    def probe() -> bool:
-        try:
-            socket.create_connection((addr, port), timeout=1).close()
-            return True
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + timeout
-    while not host.call(probe):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nothing listens at {addr}:{port} after {timeout}s")
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def c10d_job(tmp_path: Path, hosts: Hosts) -> Iterator[HostJob]:
     """A c10d job whose store lives in host 0's agent (the endpoint is host 0's address)."""
@@ -86,7 +69,7 @@ def c10d_job(tmp_path: Path, hosts: Hosts) -> Iterator[HostJob]:
 def start_c10d(job: HostJob, *worker_args: str) -> list[subprocess.Popen[str]]:
     """An agent on every host; host 0's first, since it hosts the store the others connect to."""
     first = job.agent_on(job.hosts[0], *worker_args)
-    wait_listening(job.hosts[1], job.hosts[0].addr, PORT)
+    job.hosts[1].wait_listening(job.hosts[0].addr, PORT)
     return [first] + [job.agent_on(h, *worker_args) for h in list(job.hosts)[1:]]
 
 
@@ -171,7 +154,7 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
     job = HostJob(tmp_path, hosts, f"{hosts[0].addr}:{PORT}")
     try:
         a = job.agent_on(hosts[0], "--sleep", "300", "--until", "stop")
-        wait_listening(hosts[1], hosts[0].addr, PORT)
+        hosts[1].wait_listening(hosts[0].addr, PORT)
         b = job.agent_on(hosts[1], "--sleep", "300", "--until", "stop")
         # Only the wall clock is off, as on a real host with a bad clock (libfaketime can shift
         # CLOCK_MONOTONIC too, but then glibc's timed waits sleep 30 s too long).
@@ -217,7 +200,7 @@ def test_a_host_without_the_job_token_is_refused_and_the_job_carries_on(c10d_job
     job, hosts = c10d_job, c10d_job.hosts
     member_env = dict(os.environ, ELASTICTK_RDZV_TOKEN="the-jobs-secret")
     a = job.agent_on(hosts[0], "--sleep", "300", "--until", "stop", env=member_env)
-    wait_listening(hosts[1], hosts[0].addr, PORT)
+    hosts[1].wait_listening(hosts[0].addr, PORT)
     b = job.agent_on(hosts[1], "--sleep", "300", "--until", "stop", env=member_env)
     job.wait_for(lambda s: len(by_world(s, 4)) == 4)
     stranger = job.agent_on(hosts[2], "--sleep", "300", env=dict(os.environ, ELASTICTK_RDZV_TOKEN="a-guess"))

@@ -22,7 +22,9 @@ from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousConfig, Re
 from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, assign_ranks
+from ..inplace.protocol import round_prefix
 from .group import WorkerGroup
+from .inplace import InPlaceHost, InPlaceRound
 from .policy import RestartPolicy
 from .report import FailureReport
 from .spec import WorkerResult, WorkerSpec
@@ -50,6 +52,8 @@ class AgentConfig:
     hosts_store: bool = False
     decision_timeout: float = 30.0
     on_event: Event | None = None
+    recovery: str = "restart-all"  # or "in-place" (see supervisor/inplace.py)
+    reform_timeout: float = 30.0  # in-place: longest wait for survivors to re-form
 
 
 @dataclass
@@ -66,7 +70,7 @@ class AgentResult:
 
 
 class _Outcome:
-    SUCCEEDED, LOCAL_FAILURE, PEER_FAILURE, MEMBERSHIP, SIGNAL = range(5)
+    SUCCEEDED, LOCAL_FAILURE, PEER_FAILURE, MEMBERSHIP, SIGNAL, INPLACE_FALLBACK = range(6)
 
 
 class ElasticAgent:
@@ -83,6 +87,8 @@ class ElasticAgent:
         self.handler: RendezvousHandler | None = None
         self.current: RoundInfo | None = None
         self.attempts = 0
+        self._inplace_host: InPlaceHost | None = None
+        self._inplace: InPlaceRound | None = None
 
     # -- public -----------------------------------------------------------------------------
     def run(self) -> AgentResult:
@@ -104,6 +110,8 @@ class ElasticAgent:
         finally:
             self._restore_signals()
             self.group.close()
+            if self._inplace_host is not None:
+                self._inplace_host.close()
             try:
                 self.handler.close(leaving=True)
             except StoreError:
@@ -136,7 +144,8 @@ class ElasticAgent:
             coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake)
             watch = MembershipWatch(handler, info, on_change=group.wake)
             try:
-                group.start(self.attempts, assignment)
+                extra = self._begin_inplace(info, addr, restarts, assignment.global_world_size)
+                group.start(self.attempts, assignment, extra)
                 self.attempts += 1
                 ran = True
                 self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids(),
@@ -144,6 +153,8 @@ class ElasticAgent:
                 outcome, failed = self._monitor(coord, watch)
             finally:
                 watch.stop()
+                if self._inplace is not None:
+                    self._inplace.close()
             coord.stop()
             if outcome == _Outcome.SIGNAL:
                 return self._signalled()
@@ -162,6 +173,7 @@ class ElasticAgent:
                         pass  # a peer already closed the job and the store went with its host
                     coord.depart(info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5)
                     results = group.results
+                    restarts = restart_count(handler.store)  # in-place recoveries count too
                     self._emit("job_finished", restarts=restarts)
                     return AgentResult("succeeded", 0, "all workers finished",
                                        return_values={lr: r.return_value for lr, r in results.items()},
@@ -187,10 +199,18 @@ class ElasticAgent:
         assert self.group is not None
         group = self.group
         while True:
-            exited = group.wait_any(timeout=5.0)
+            inplace = self._inplace
+            exited = group.wait_any(timeout=5.0 if inplace is None else inplace.wait_timeout(5.0))
             failed = [r for r in exited if r.failed]
+            if failed and inplace is not None and not coord.failed.is_set():
+                if inplace.on_failures(failed):
+                    continue  # replaced in place; the other workers keep running
+                if inplace.decision is not None and inplace.decision.action == "restart":
+                    return _Outcome.INPLACE_FALLBACK, failed
             if failed:
                 return _Outcome.LOCAL_FAILURE, failed
+            if inplace is not None and inplace.poll():
+                return _Outcome.INPLACE_FALLBACK, []
             if self._signal is not None:
                 if self._signal in TERMINATING:
                     return _Outcome.SIGNAL, []
@@ -207,6 +227,16 @@ class ElasticAgent:
     def _after_failure(self, outcome: int, failed: list[WorkerResult], coord: RoundCoordinator,
                        restarts: int) -> Decision | None:
         assert self.group is not None
+        if outcome == _Outcome.INPLACE_FALLBACK:
+            # In-place recovery did not come together: restart everything, as restart-all
+            # would have, on the budget already charged for this failure.
+            assert self._inplace is not None
+            coord.report_failure(f"node {self.node_id}: in-place recovery failed")
+            self.group.stop()
+            self._emit("workers_stopped", reason="inplace_fallback")
+            decision = self._inplace.fallback_decision()
+            coord.round.set("decision", decision.to_json())
+            return decision
         if outcome == _Outcome.LOCAL_FAILURE:
             first = min(failed, key=lambda r: r.ended_at)
             won = coord.report_failure(f"node {self.node_id}: {first.describe()}")
@@ -225,6 +255,21 @@ class ElasticAgent:
             self.group.stop()
             self._emit("workers_stopped", reason="peer_failed")
         return coord.await_decision(self.config.decision_timeout)
+
+    def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, world: int) -> dict[str, str]:
+        """In-place mode: the round's generation store; the workers' extra environment."""
+        self._inplace = None
+        if self.config.recovery != "in-place":
+            return {}
+        if self._inplace_host is None:
+            self._inplace_host = InPlaceHost(addr)
+        endpoint = self._inplace_host.endpoint(info.store, info.rank == 0, self.config.rdzv.join_timeout)
+        assert self.handler is not None and self.group is not None
+        self._inplace = InPlaceRound(
+            self.group, self.handler.store, self.config.policy, endpoint,
+            round_prefix(self.config.rdzv.job_id, info.round, self.attempts), world, restarts,
+            publish_first=info.rank == 0, reform_timeout=self.config.reform_timeout, emit=self._emit)
+        return self._inplace.env()
 
     def _report(self, restarts: int) -> FailureReport:
         assert self.group is not None

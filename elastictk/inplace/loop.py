@@ -43,6 +43,7 @@ DEFAULT_COLLECTIVE_TIMEOUT = 30.0
 ENV_COLLECTIVE_TIMEOUT = "ELASTICTK_COLLECTIVE_TIMEOUT"
 ENV_WAIT = "ELASTICTK_INPLACE_WAIT"  # how long a survivor waits for the next generation
 DEFAULT_WAIT = 300.0
+JOIN_TIMEOUT = 120.0
 
 
 class RecoveryError(RuntimeError):
@@ -120,6 +121,17 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
     return ctx
 
 
+def _set_timeout(seconds: float) -> None:
+    """The default group's collective timeout (private in torch; without it the forming
+    timeout stays, which only makes a hang take longer to detect)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        try:
+            setter(datetime.timedelta(seconds=seconds))
+        except (RuntimeError, TypeError, ValueError):
+            pass
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
@@ -165,10 +177,13 @@ class Session:
             gen = self._next_generation(after)
             failed = False
             try:
+                # Forming waits for a replacement to fork and start, which takes longer than a
+                # healthy collective on a busy host: a long timeout to form, then the short one.
                 dist.init_process_group(
                     self.backend, store=dist.PrefixStore(pg_prefix(gen.gen), self.store),
                     rank=self.rank, world_size=gen.world_size,
-                    timeout=datetime.timedelta(seconds=self.timeout))
+                    timeout=datetime.timedelta(seconds=max(self.timeout, JOIN_TIMEOUT)))
+                _set_timeout(self.timeout)
                 # A worker whose first generation is not the first has no state of its own.
                 _sync(state, self.rank, fresh=self._fresh and gen.gen > 0)
             except RuntimeError as e:

@@ -22,7 +22,6 @@ the worker as in any script, and the launcher restarts the job.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import sys
@@ -241,7 +240,6 @@ class Session:
             dist.destroy_process_group()
         except RuntimeError:
             pass
-        gc.collect()  # a group kept alive by a reference cycle would keep its sockets open
 
     def close(self) -> None:
         self._teardown()

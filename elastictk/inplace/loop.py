@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -120,6 +121,10 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
     return ctx
 
 
+def _drop(holder: list[Any]) -> None:
+    holder.clear()  # the last reference: the destructor runs here
+
+
 def _set_timeout(seconds: float) -> None:
     """The default group's collective timeout (private in torch; without it the forming
     timeout stays, which only makes a hang take longer to detect)."""
@@ -148,6 +153,7 @@ class Session:
         self.store = store
         self.wait_s = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT))
         self._fresh = True  # until it first joins, a worker holds only its initial state
+        self._reapers: list[threading.Thread] = []
 
     @property
     def recoverable(self) -> bool:
@@ -236,13 +242,24 @@ class Session:
                     abort()
                 except RuntimeError:
                     pass
+        pg = dist.distributed_c10d._get_default_group()
         try:
             dist.destroy_process_group()
         except RuntimeError:
             pass
+        # The group's C++ destructor closes its connections (which is what tells a peer still
+        # blocked on one of them) and then joins its threads, tens of ms. Run it off this
+        # thread: the connections close as soon, and the next group forms meanwhile.
+        reaper = threading.Thread(target=_drop, args=([pg],), name="elastictk-pg-teardown",
+                                  daemon=True)
+        del pg
+        reaper.start()
+        self._reapers.append(reaper)
 
     def close(self) -> None:
         self._teardown()
+        for t in self._reapers:
+            t.join(timeout=30)
 
 
 def _sync(state: State, rank: int, *, fresh: bool) -> None:

@@ -22,14 +22,14 @@ STEPS = 16
 
 
 def launch(tmp: Path, tag: str, script: str, *args: str, max_restarts: int = 3,
-           recovery: str = "in-place", env: dict[str, str] | None = None,
+           recovery: str = "in-place", env: dict[str, str] | None = None, nproc: int = WORKERS,
            ) -> tuple[int, str, list[dict[str, int]]]:
     """Run one job to its end; (exit code, merged output, formation records)."""
     work = tmp / tag
     work.mkdir()
     record = work / "record.jsonl"
     extra = ["--record", str(record)] if script == INPLACE else ["--ckpt-dir", str(work / "ckpt")]
-    cmd = [sys.executable, "-m", "elastictk.run", "--standalone", "--nproc-per-node", str(WORKERS),
+    cmd = [sys.executable, "-m", "elastictk.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--recovery", recovery, "--log-dir", str(work / "logs"),
            script, "--steps", str(STEPS), "--step-time", "0.01", *extra, *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
@@ -105,3 +105,37 @@ def test_a_plain_script_falls_back_to_restart_all(tmp_path: Path) -> None:
     assert "inplace_fallback" in out and "restart restart_count=1" in out
     assert "job_finished restarts=1" in out
     assert re.search(r"final checksum \w+ after", out)
+
+
+def test_two_agents_replace_a_rank_on_one_node_while_the_other_keeps_running(tmp_path: Path) -> None:
+    """Two agents on loopback: the agent whose worker died replaces it and publishes the next
+    generation; the other agent's workers re-form with it and neither agent restarts."""
+    from elastictk.store import free_port
+
+    ref_code, ref_out, _ = launch(tmp_path, "ref4", INPLACE, nproc=4)
+    assert ref_code == 0, ref_out[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    record = tmp_path / "record.jsonl"
+    conf = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=5,join_timeout=60"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "elastictk.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "inplace2",
+         "--rdzv-conf", conf, "--max-restarts", "1", "--recovery", "in-place",
+         "--log-dir", str(tmp_path / f"logs{i}"), INPLACE, "--steps", str(STEPS),
+         "--step-time", "0.01", "--record", str(record), "--crash", "6:3"],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}) for i in range(2)]
+    try:
+        outs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.communicate()
+    assert [a.returncode for a in agents] == [0, 0], [o[-2000:] for o in outs]
+    both = "".join(outs)
+    assert checksum(both) == checksum(ref_out)
+    assert both.count("inplace_recovery ") == 1 and both.count("workers_started") == 2
+    gens = pids_by_generation([json.loads(x) for x in record.read_text().splitlines()])
+    assert sorted(gens) == [0, 1]
+    assert gens[1] == {**gens[0], 3: gens[1][3]} and gens[1][3] != gens[0][3]

@@ -74,6 +74,8 @@ class Launcher:
     program: str  # console script next to this interpreter
     module: str  # the same, as ``python -m``, if the script is missing
     env: dict[str, str] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()  # launcher flags of this subject (e.g. --recovery in-place)
+    script: Path = SCRIPT  # the training script (it must print what ``_recovery_job`` reads)
 
     def argv(self) -> list[str]:
         script = Path(sys.executable).parent / self.program
@@ -108,7 +110,7 @@ def _launch(launcher: Launcher, n: int, base: Path, tag: str, *, recovery_timeou
     work.mkdir()
     argv = launcher.argv() + [
         "--standalone", "--nproc-per-node", str(n), "--max-restarts", str(MAX_RESTARTS),
-        "--log-dir", str(work / "logs"), str(SCRIPT),
+        "--log-dir", str(work / "logs"), *launcher.flags, str(launcher.script),
         "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(STEP_TIME),
         "--ckpt-dir", str(work / "ckpt"),
     ]

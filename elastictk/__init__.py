@@ -2,3 +2,12 @@
 __version__ = "0.1.0"
 
 from .supervisor.errors import record  # noqa: E402  (``@elastictk.record`` on a worker's main)
+
+
+def __getattr__(name: str) -> object:
+    """``elastictk.run_elastic`` / ``elastictk.State`` load the in-place loop (and torch) on use."""
+    if name in ("run_elastic", "State"):
+        from . import inplace
+
+        return getattr(inplace, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,6 +66,7 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None) -> t
         log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
         on_event=telemetry.on_event if telemetry is not None else None,
         collective_timeout=config.collective_timeout,
+        recovery=config.recovery,
     )
     return ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint), handle
 

@@ -137,3 +137,27 @@ def test_table_marks_the_reference_note_and_noise() -> None:
     assert ("| get | ours | 11 [10.5–11.5] | theirs ¹ | 12 [11.5–12.5] | "
             "×1.09 slower (IQRs overlap) |") in table
     assert "| set | ours | 30 [30–30] | theirs ² | 10 [10–10] | ×3.00 faster |" in table
+
+
+def test_quick_multinode_recovers_on_test_hosts_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "out.json"
+    namespaces_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = _bench("multinode", "--quick", "--json", str(out), tmp=work, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())["benchmarks"]["multinode"]
+    assert any("recovered in" in n for n in data["notes"]), data["notes"]
+    assert data["pids"], "the helper processes are listed"
+    _, alive = psutil.wait_procs([p for p in map(_proc, data["pids"]) if p is not None], timeout=10)
+    assert not alive, f"benchmark left processes behind: {alive}"
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == namespaces_before, "the test hosts' namespaces are gone"
+    assert list(work.iterdir()) == []
+
+
+def _proc(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

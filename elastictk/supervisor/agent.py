@@ -24,7 +24,9 @@ from ..rendezvous import (
 from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, assign_ranks
+from ..inplace.protocol import round_prefix
 from .group import WorkerGroup
+from .inplace import InPlaceHost, InPlaceRound
 from .policy import RestartPolicy
 from .report import FailureReport
 from .spec import WorkerResult, WorkerSpec
@@ -54,6 +56,8 @@ class AgentConfig:
     decision_timeout: float = 30.0
     on_event: Event | None = None
     collective_timeout: float | None = None  # put every torch.distributed call under a timer
+    recovery: str = "restart-all"  # or "in-place" (see supervisor/inplace.py)
+    reform_timeout: float = 30.0  # in-place: longest wait for survivors to re-form
 
 
 @dataclass
@@ -70,7 +74,7 @@ class AgentResult:
 
 
 class _Outcome:
-    SUCCEEDED, LOCAL_FAILURE, PEER_FAILURE, MEMBERSHIP, SIGNAL = range(5)
+    SUCCEEDED, LOCAL_FAILURE, PEER_FAILURE, MEMBERSHIP, SIGNAL, INPLACE_FALLBACK = range(6)
 
 
 class ElasticAgent:
@@ -89,6 +93,9 @@ class ElasticAgent:
         self.watchdog: Watchdog | None = None
         self._lingering: list[MembershipWatch | RoundCoordinator] = []
         self.attempts = 0
+        self._inplace_host: InPlaceHost | None = None
+        self._inplace: InPlaceRound | None = None
+        self._assignment_now: Assignment | None = None
 
     # -- public -----------------------------------------------------------------------------
     def run(self) -> AgentResult:
@@ -124,6 +131,8 @@ class ElasticAgent:
             # a c10d call: tearing the client down under it aborts the interpreter.
             for w in self._lingering:
                 w.stop(wait=True)
+            if self._inplace_host is not None:
+                self._inplace_host.close()
             try:
                 self.handler.close(leaving=True)
             except StoreError:
@@ -151,13 +160,14 @@ class ElasticAgent:
                 return AgentResult("finished-elsewhere", 0, f"{e}; exiting", attempts=self.attempts)
             self.current = info
             restarts = restart_count(handler.store, handler.signer, handler.prefix)
-            assignment = self._assignment(info, restarts, addr)
+            assignment = self._assignment_now = self._assignment(info, restarts, addr)
             self._emit("round_joined", round=info.round, rank=info.rank, world=info.world_size)
             coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
                                      signer=handler.signer, where=(handler.prefix, info.store_prefix))
             watch = MembershipWatch(handler, info, on_change=group.wake)
             try:
-                group.start(self.attempts, assignment)
+                extra = self._begin_inplace(info, addr, restarts, assignment.global_world_size)
+                group.start(self.attempts, assignment, extra)
                 assert self.watchdog is not None
                 self.watchdog.arm(group.pids(), assignment, group.attempt_dir)
                 self.attempts += 1
@@ -167,6 +177,8 @@ class ElasticAgent:
                 outcome, failed = self._monitor(coord, watch)
             finally:
                 watch.stop()
+                if self._inplace is not None:
+                    self._inplace.close()
             coord.stop()
             self._lingering += [watch, coord]
             if outcome == _Outcome.SIGNAL:
@@ -186,6 +198,7 @@ class ElasticAgent:
                         pass  # a peer already closed the job and the store went with its host
                     coord.depart(info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5)
                     results = group.results
+                    restarts = restart_count(handler.store)  # in-place recoveries count too
                     self._emit("job_finished", restarts=restarts)
                     return AgentResult("succeeded", 0, "all workers finished",
                                        return_values={lr: r.return_value for lr, r in results.items()},
@@ -211,11 +224,26 @@ class ElasticAgent:
         assert self.group is not None
         group = self.group
         while True:
-            exited = group.wait_any(timeout=5.0)
+            inplace = self._inplace
+            exited = group.wait_any(timeout=5.0 if inplace is None else inplace.wait_timeout(5.0))
             self._emit_expiries()
             failed = [r for r in exited if r.failed]
+            if failed and inplace is not None and not coord.failed.is_set():
+                assert self.watchdog is not None
+                for r in failed:
+                    self.watchdog.forget(r.local_rank)
+                if inplace.on_failures(failed):
+                    assert self._assignment_now is not None
+                    for r in failed:  # the replacements' timers are watched like the others'
+                        self.watchdog.replace(r.local_rank, group.pids()[r.local_rank],
+                                              self._assignment_now, group.attempt_dir)
+                    continue  # replaced in place; the other workers keep running
+                if inplace.decision is not None and inplace.decision.action == "restart":
+                    return _Outcome.INPLACE_FALLBACK, failed
             if failed:
                 return _Outcome.LOCAL_FAILURE, failed
+            if inplace is not None and inplace.poll():
+                return _Outcome.INPLACE_FALLBACK, []
             if self._signal is not None:
                 if self._signal in TERMINATING:
                     return _Outcome.SIGNAL, []
@@ -232,6 +260,16 @@ class ElasticAgent:
     def _after_failure(self, outcome: int, failed: list[WorkerResult], coord: RoundCoordinator,
                        restarts: int) -> Decision | None:
         assert self.group is not None
+        if outcome == _Outcome.INPLACE_FALLBACK:
+            # In-place recovery did not come together: restart everything, as restart-all
+            # would have, on the budget already charged for this failure.
+            assert self._inplace is not None
+            coord.report_failure(f"node {self.node_id}: in-place recovery failed")
+            self.group.stop()
+            self._emit("workers_stopped", reason="inplace_fallback")
+            decision = self._inplace.fallback_decision()
+            coord.round.set("decision", decision.to_json())
+            return decision
         if outcome == _Outcome.LOCAL_FAILURE:
             first = min(failed, key=lambda r: r.ended_at)
             self._emit_expiries()  # the reaper records an expiry before it kills
@@ -254,6 +292,21 @@ class ElasticAgent:
             self.group.stop()
             self._emit("workers_stopped", reason="peer_failed")
         return coord.await_decision(self.config.decision_timeout)
+
+    def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, world: int) -> dict[str, str]:
+        """In-place mode: the round's generation store; the workers' extra environment."""
+        self._inplace = None
+        if self.config.recovery != "in-place":
+            return {}
+        if self._inplace_host is None:
+            self._inplace_host = InPlaceHost(addr)
+        endpoint = self._inplace_host.endpoint(info.store, info.rank == 0, self.config.rdzv.join_timeout)
+        assert self.handler is not None and self.group is not None
+        self._inplace = InPlaceRound(
+            self.group, self.handler.store, self.config.policy, endpoint,
+            round_prefix(self.config.rdzv.job_id, info.round, self.attempts), world, restarts,
+            publish_first=info.rank == 0, reform_timeout=self.config.reform_timeout, emit=self._emit)
+        return self._inplace.env()
 
     def _report(self, restarts: int) -> FailureReport:
         assert self.group is not None

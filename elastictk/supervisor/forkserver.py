@@ -34,7 +34,8 @@ import sys
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-DEFAULT_PRELOAD = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+DEFAULT_PRELOAD = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                   "elastictk.inplace.loop")  # what a replacement worker of run_elastic needs
 _LEN = struct.Struct("!I")
 _STATUS = struct.Struct("!i")
 _FD_NAMES = ("stdout", "stderr", "status", "result")

@@ -97,6 +97,9 @@ class WorkerGroup:
         self._logs: dict[int, RankLogs] = {}
         self._results: dict[int, WorkerResult] = {}
         self._pump: Optional[LogPump] = None
+        self._pumps: list[LogPump] = []  # one per replacement worker (see respawn)
+        self._extra_env: dict[str, str] = {}
+        self.replaced: list[WorkerResult] = []
         self._assignment: Optional[Assignment] = None
         self._run_id: Optional[str] = None
         self.run_log_dir: Optional[Path] = None
@@ -121,13 +124,14 @@ class WorkerGroup:
         if self.spec.start_method == "preload":
             self._preload_server().start()
 
-    def start(self, attempt: int, assignment: Assignment) -> None:
+    def start(self, attempt: int, assignment: Assignment,
+              extra_env: Optional[dict[str, str]] = None) -> None:
         """Start ``local_world_size`` workers for ``attempt`` (the log directory number).
 
         ``assignment.restart_count`` is what the workers see as TORCHELASTIC_RESTART_COUNT; the
         attempt number is separate so a re-rendezvous that does not consume a restart still gets
-        fresh log directories. Raises (after killing any worker it started) if a worker cannot
-        be started.
+        fresh log directories. ``extra_env`` is added to every worker's environment (after the
+        spec's). Raises (after killing any worker it started) if a worker cannot be started.
         """
         self._check_not_closed()
         if self._open:
@@ -145,6 +149,8 @@ class WorkerGroup:
         self.attempt_dir = make_attempt_dir(self.run_log_dir, attempt)
         self.attempt, self._assignment = attempt, assignment
         self._workers, self._logs, self._results = {}, {}, {}
+        self._extra_env = dict(extra_env or {})
+        self.replaced: list[WorkerResult] = []
         self._stopping = False
         self._open = True
         pump = self._pump = LogPump(*self._console)
@@ -157,7 +163,8 @@ class WorkerGroup:
                 envs[lr] = worker_env(
                     assignment, role=spec.role, local_rank=lr,
                     local_world_size=spec.local_world_size,
-                    error_file=self._logs[lr].error_file, base_env=base_env, extra=spec.env)
+                    error_file=self._logs[lr].error_file, base_env=base_env,
+                    extra={**spec.env, **self._extra_env})
             pump.start()
             for lr in range(spec.local_world_size):
                 w = self._workers[lr] = self._start_one(lr, envs[lr])
@@ -173,6 +180,43 @@ class WorkerGroup:
                 logs.close_child_ends()
             self.stop(grace=0)
             raise
+
+    def respawn(self, local_rank: int, restart_count: int, tag: str) -> int:
+        """Start a new worker for ``local_rank``, whose exit was observed, within the open
+        attempt (in-place recovery: the other workers keep running). Its logs go to
+        ``attempt_<n>/<tag>/<local_rank>/``; it sees ``TORCHELASTIC_RESTART_COUNT=restart_count``.
+        The old result moves to :attr:`replaced`. Returns the new pid.
+        """
+        if not self._open or local_rank not in self._results:
+            raise GroupStateError(f"local rank {local_rank} has no observed exit in an open "
+                                  "attempt; only an exited worker can be replaced")
+        assert self._assignment is not None and self.attempt_dir is not None
+        from dataclasses import replace
+
+        self._assignment = replace(self._assignment, restart_count=restart_count)
+        self.replaced.append(self._results.pop(local_rank))
+        sub = self.attempt_dir / tag
+        sub.mkdir(exist_ok=True)
+        pump = LogPump(*self._console)
+        self._pumps.append(pump)
+        logs = self._logs[local_rank] = open_rank_logs(
+            self.spec, sub, local_rank, self._assignment.global_rank(local_rank), pump)
+        env = worker_env(
+            self._assignment, role=self.spec.role, local_rank=local_rank,
+            local_world_size=self.spec.local_world_size, error_file=logs.error_file,
+            base_env=dict(os.environ), extra={**self.spec.env, **self._extra_env})
+        pump.start()
+        try:
+            w = self._workers[local_rank] = self._start_one(local_rank, env)
+        finally:
+            logs.close_child_ends()
+        if self._watch is not None:
+            self._watch.watch(w.pid)
+        self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
+        fd = w.result_fd()
+        if fd is not None:
+            self._sel.register(fd, selectors.EVENT_READ, ("result", w))
+        return w.pid
 
     def _start_one(self, local_rank: int, env: dict[str, str]) -> WorkerProcess:
         spec, logs = self.spec, self._logs[local_rank]
@@ -212,6 +256,8 @@ class WorkerGroup:
                 fds += logs.owned_fds()
         if self._pump is not None:
             fds += self._pump.fds()
+        for pump in self._pumps:
+            fds += pump.fds()
         if self._watch is not None and self._watch.fileno() is not None:
             fds.append(self._watch.fileno())  # type: ignore[arg-type]
         if self._server is not None and self._server.fileno() is not None:
@@ -314,6 +360,13 @@ class WorkerGroup:
 
     # -- signalling and stopping -----------------------------------------------------------
 
+    def signal_one(self, local_rank: int, sig: int) -> bool:
+        """Send ``sig`` to one running worker (e.g. SIGKILL to a frozen one); False if gone."""
+        w = self._workers.get(local_rank)
+        if w is None or local_rank in self._results:
+            return False
+        return w.signal(sig)
+
     def signal_all(self, sig: int) -> None:
         """Forward ``sig`` to every running worker's process group (what a terminal would do);
         for the agent's SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 handlers."""
@@ -348,7 +401,8 @@ class WorkerGroup:
             return self.results
         grace = self.spec.grace_period if grace is None else grace
         self._stopping = True
-        sessions = [w.pid for w in self._workers.values()]
+        # Replaced workers' sessions too: what they left behind dies with the attempt.
+        sessions = [w.pid for w in self._workers.values()] + [r.pid for r in self.replaced]
         deadline = time.monotonic() + grace
         if grace > 0:
             tree = self._signal_trees(sig, sessions)
@@ -376,6 +430,9 @@ class WorkerGroup:
         if self._pump is not None:
             self._pump.close(_PUMP_DRAIN)
             self._pump = None
+        for pump in self._pumps:
+            pump.close(_PUMP_DRAIN)
+        self._pumps = []
         if self._watch is not None:
             for sid in sessions:
                 self._watch.unwatch(sid)

@@ -44,6 +44,15 @@ class Watchdog:
         self.server.watch(pids, ranks={lr: assignment.global_rank(lr) for lr in pids},
                           report_dir=report_dir)  # type: ignore[arg-type]
 
+    def replace(self, local_rank: int, pid: int, assignment: Assignment, report_dir: object) -> None:
+        """Watch the replacement of a worker that died (in-place recovery) in its slot."""
+        self.server.watch_worker(local_rank, pid, rank=assignment.global_rank(local_rank),
+                                 report_dir=report_dir)  # type: ignore[arg-type]
+
+    def forget(self, local_rank: int) -> None:
+        """The worker of ``local_rank`` has exited: clear its region before anything replaces it."""
+        self.server.unwatch(local_rank)
+
     def take_new(self) -> list[Expiry]:
         """Expiries not handed out yet (for events and metrics), oldest first."""
         with self._lock:

@@ -176,14 +176,17 @@ class TimerServer:
                 Path(report_dir) / str(local_rank) if report_dir is not None else None)
         self.start()
 
-    def unwatch(self) -> None:
+    def unwatch(self, local_rank: Optional[int] = None) -> None:
         """Forget the attempt's workers and clear their regions; call after ``group.stop()``
-        (no worker may still be writing) and before the next ``start``."""
+        (no worker may still be writing) and before the next ``start``. With ``local_rank``,
+        only that one, once its worker has exited: a replacement started in its place (in-place
+        recovery) must not inherit the timers the dead one held."""
         with self._lock:
-            for w in self._workers.values():
-                self._close_worker(w)
-            self._workers.clear()
-            for lr in range(self.local_world_size):
+            ranks = range(self.local_world_size) if local_rank is None else [local_rank]
+            for lr in ranks:
+                w = self._workers.pop(lr, None)
+                if w is not None:
+                    self._close_worker(w)
                 L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal)
 
     def expiries(self) -> list[Expiry]:

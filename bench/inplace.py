@@ -1,0 +1,109 @@
+"""In-place recovery: 1 of N workers is SIGKILLed; how long until every rank steps again.
+
+Three ways to recover, on one job (``examples/train.py``'s model, data and optimizer):
+
+- **in-place**: ``elastictk-run --recovery in-place`` running ``examples/train_inplace.py``
+  (``elastictk.run_elastic``): the survivors keep their processes, roll back to their in-memory
+  commit and re-form the gloo group; only the killed rank is forked again from the preload
+  server and receives the state from a peer over the new group. No checkpoint is read.
+- **restart-all**: ``elastictk-run`` as it ships, running ``examples/train.py``: every worker
+  is stopped and forked again, and resumes from the last checkpoint on disk.
+- **torchrun** (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``bench/recovery.py``), the same
+  script: every worker is stopped and started as a fresh interpreter that imports torch.
+
+Each launch is ``bench/recovery.py``'s: the last rank's worker is SIGKILLed once every rank is
+past the first checkpoint, and the sample runs from the kill until every rank has logged a step
+after its ``resumed at step S (attempt A)`` line (in-place: A is the new generation). A launch
+counts only if the job then finishes with exit 0, the launcher named the killed rank's SIGKILL,
+and the final checksum equals every other launch's, of all three subjects: weights after an
+in-place recovery are those of a restart from a checkpoint, and of a run without faults.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import recovery as rec
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
+
+TITLE = "In-place recovery vs restart-all vs torchrun: 1 of N workers SIGKILLed"
+INPLACE_SCRIPT = rec.ROOT / "examples" / "train_inplace.py"
+TARGET_SHARE = 1 / 50
+
+IN_PLACE = rec.Launcher("in-place", "elastictk-run --recovery in-place", "elastictk-run",
+                        "elastictk.run", flags=("--recovery", "in-place"), script=INPLACE_SCRIPT)
+RESTART_ALL = rec.Launcher("restart-all", "elastictk-run (restart-all)", "elastictk-run",
+                           "elastictk.run")
+TORCHRUN = rec.TORCHRUN
+SUBJECTS = (IN_PLACE, RESTART_ALL, TORCHRUN)
+
+
+def run(cfg: RunConfig) -> BenchResult:
+    n = 2 if cfg.quick else 4
+    rounds = 1 if cfg.quick else 5
+    got: dict[str, list[rec.Sample]] = {s.key: [] for s in SUBJECTS}
+    by_key = {s.key: s for s in SUBJECTS}
+    pids: list[int] = []
+    checksums: set[str] = set()
+    base = Path(tempfile.mkdtemp(prefix="etk-bench-inplace-"))
+    counter = iter(range(10_000))
+    try:
+        def one(key: str) -> float:
+            launcher = by_key[key]
+            s = rec._launch(launcher, n, base, f"{key}-{next(counter)}",
+                            recovery_timeout=rec.RECOVERY_TIMEOUT)
+            pids.extend(s.pids)
+            got[key].append(s)
+            checksums.add(s.checksum or "?")
+            cfg.log(f"  {launcher.label:34} N={n}: recovery {s.recovery:6.3f}s "
+                    f"(attempt/generation {s.attempt})")
+            return s.recovery or 0.0
+
+        cfg.log(f"{n} workers, {rounds} launch(es) of each ...")
+        interleaved([s.key for s in SUBJECTS], one, rounds)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if len(checksums) != 1:
+        raise BenchError(f"launches ended with different final checksums {sorted(checksums)}; "
+                         "a recovery resumed wrongly")
+
+    def measured(key: str) -> Measured:
+        ss = got[key]
+        extra: dict[str, Any] = {"attempt": [s.attempt for s in ss],
+                                 "phases_s_after_kill": [s.phases for s in ss]}
+        return Measured(by_key[key].label, [float(s.recovery or 0.0) for s in ss], extra)
+
+    case = {"measure": "kill to every rank stepping again", "workers": str(n)}
+    rows = [
+        Comparison(case, measured(IN_PLACE.key), measured(TORCHRUN.key), rec.REF_NOTE),
+        Comparison(case, measured(RESTART_ALL.key), measured(TORCHRUN.key), rec.REF_NOTE),
+        Comparison(case, measured(IN_PLACE.key), measured(RESTART_ALL.key)),
+    ]
+    ours = statistics.median(s.recovery or 0.0 for s in got[IN_PLACE.key])
+    ref = statistics.median(s.recovery or 0.0 for s in got[TORCHRUN.key])
+    share = ours / ref if ref else float("inf")
+    notes = [
+        f"target (in-place recovery in <= 1/{round(1 / TARGET_SHARE)} of torchrun's time), "
+        f"{n} workers: in-place takes {share:.4f} of torchrun's time (1/{1 / share:.0f}), so it "
+        f"{'meets' if share <= TARGET_SHARE else 'misses'} it",
+        f"every sample includes one step of the job ({rec.STEP_TIME}s of sleep per step) after "
+        f"the recovery; in-place recovery without it: ~{fmt(max(0.0, ours - rec.STEP_TIME))}s",
+    ]
+    for s in SUBJECTS:
+        notes.append(rec._phase_note(s.label, n, got[s.key]))
+    notes.append(
+        f"job: {rec.STEPS} steps, the worker of the last rank SIGKILLed once every rank is past "
+        f"step {rec.CKPT_EVERY}; every launch exited 0 with final checksum {next(iter(checksums))}")
+    notes.append(f"{os.cpu_count()} cores; {n} workers share them")
+    return BenchResult(
+        name="inplace", title=TITLE, description=(__doc__ or "").split("\n", 1)[1].strip(),
+        unit="s", higher_is_better=False, rows=rows, notes=notes,
+        params={"workers": n, "rounds": rounds, "steps": rec.STEPS, "step_time": rec.STEP_TIME,
+                "ckpt_every": rec.CKPT_EVERY, "max_restarts": rec.MAX_RESTARTS,
+                "killed_rank": "last", "quick": cfg.quick},
+        pids=sorted(set(pids)),
+    )

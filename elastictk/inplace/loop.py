@@ -1,0 +1,288 @@
+"""``run_elastic``: a training loop whose process group outlives the death of any peer.
+
+Under ``elastictk-run --recovery in-place`` the agent hosts a store that outlives every worker
+and publishes *generations* there (see ``protocol``). Each step runs ``train_step(state, ctx)``
+and commits the state in memory. When a collective raises because a peer died (gloo: the
+connection resets; a hung peer: the collective times out and the agent kills the frozen
+process), the worker does not exit: it says so in the store, rolls back to the last commit,
+tears its process group down (NCCL: aborts the communicator first, so no kernel stays queued
+on a dead peer), waits for the agent to publish the next generation (the failed rank replaced,
+forked from the preload server), forms the new group under that generation's fresh store
+prefix, and syncs the state: the rank holding the newest commit broadcasts it to every rank
+that is behind, including the replacement, which has none. Then training continues.
+
+Data follows the world size: ``ctx.shard(n)`` gives this rank's part of ``[0, n)`` as a function
+of (n, rank, world size) alone, so with samples addressed by global index no sample is skipped
+or repeated across a change.
+
+Outside such an agent (torchrun, or elastictk-run's default restart-all) ``run_elastic`` forms
+the group from the usual environment and runs the same loop without recovery: a failure ends
+the worker as in any script, and the launcher restarts the job.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .protocol import (
+    ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key, is_peer_failure,
+    joined_key, pg_prefix, ready_key, shard,
+)
+from .state import State
+
+DEFAULT_COLLECTIVE_TIMEOUT = 30.0
+ENV_COLLECTIVE_TIMEOUT = "ELASTICTK_COLLECTIVE_TIMEOUT"
+ENV_WAIT = "ELASTICTK_INPLACE_WAIT"  # how long a survivor waits for the next generation
+DEFAULT_WAIT = 300.0
+JOIN_TIMEOUT = 120.0
+
+
+class RecoveryError(RuntimeError):
+    """In-place recovery could not continue (no next generation in time, nobody holds state);
+    the worker exits and the agent falls back to restarting the whole group."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this worker stands in the current generation."""
+
+    rank: int
+    world_size: int
+    generation: int = 0
+    restart_count: int = 0
+    recovered: bool = False  # this generation was formed after a failure
+
+    def shard(self, global_size: int) -> range:
+        """This rank's contiguous part of global indices ``[0, global_size)``."""
+        return shard(global_size, self.rank, self.world_size)
+
+
+StepFn = Callable[[State, Context], Any]
+JoinFn = Callable[[State, Context], None]
+
+
+def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None,
+                done: Optional[Callable[[State], bool]] = None, backend: str = "gloo",
+                collective_timeout: Optional[float] = None,
+                on_join: Optional[JoinFn] = None) -> Context:
+    """Run ``train_step(state, ctx)`` until ``state.step >= steps`` (or ``done(state)``).
+
+    ``train_step`` does one step on the default process group (``dist.all_reduce(...)`` as in
+    any script) and advances ``state.step``; ``run_elastic`` commits after each step.
+    ``on_join(state, ctx)`` runs after every group formation (the first too), with the state
+    already synced: a place to log or rebuild derived objects. Returns the last context; the
+    process group is destroyed on return.
+    """
+    if steps is None and done is None:
+        raise ValueError("run_elastic needs steps=N (runs until state.step >= N) or done=fn(state)")
+    finished = done if done is not None else (lambda s: int(s.step) >= int(steps))  # type: ignore[arg-type]
+    timeout = float(collective_timeout if collective_timeout is not None
+                    else os.environ.get(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT))
+    if not state.committed:
+        state.commit()
+    session = Session.from_env(backend, timeout)
+    ctx = session.join(state, after=None)
+    if on_join is not None:
+        on_join(state, ctx)
+    while True:
+        failure: Optional[str] = None
+        try:
+            while not finished(state):
+                train_step(state, ctx)
+                state.commit()
+            # The end is a step too: a peer lost before every rank got here is recovered, so
+            # no rank exits while the others still need it.
+            dist.barrier()
+        except RuntimeError as e:
+            if not session.recoverable or not is_peer_failure(e):
+                session.close()
+                raise
+            failure = _first_line(e)
+        if failure is None:
+            break
+        # Out of the except block: the traceback's frames (holding the failed collective's work
+        # and group) are gone, so tearing the group down really closes its connections, and a
+        # peer still blocked on one of them fails now instead of at its timeout.
+        session.report_error(ctx, failure)
+        state.rollback()
+        ctx = session.join(state, after=ctx.generation)
+        if on_join is not None:
+            on_join(state, ctx)
+    session.close()
+    return ctx
+
+
+def _drop(holder: list[Any]) -> None:
+    holder.clear()  # the last reference: the destructor runs here
+
+
+def _set_timeout(seconds: float) -> None:
+    """The default group's collective timeout (private in torch; without it the forming
+    timeout stays, which only makes a hang take longer to detect)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        try:
+            setter(datetime.timedelta(seconds=seconds))
+        except (RuntimeError, TypeError, ValueError):
+            pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+class Session:
+    """This worker's link to the agent's generations (or, without one, a plain process group)."""
+
+    def __init__(self, backend: str, timeout: float, rank: int, world_size: int,
+                 store: Optional[Any]) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.wait_s = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT))
+        self._fresh = True  # until it first joins, a worker holds only its initial state
+        self._reapers: list[threading.Thread] = []
+
+    @property
+    def recoverable(self) -> bool:
+        return self.store is not None
+
+    @classmethod
+    def from_env(cls, backend: str, timeout: float) -> "Session":
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        endpoint = os.environ.get(ENV_STORE)
+        if not endpoint:
+            return cls(backend, timeout, rank, world, None)
+        host, _, port = endpoint.rpartition(":")
+        raw = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                            timeout=datetime.timedelta(seconds=max(timeout, 60.0)), use_libuv=True)
+        store = dist.PrefixStore(os.environ.get(ENV_PREFIX, ""), raw)
+        return cls(backend, timeout, rank, world, store)
+
+    # -- forming a generation -----------------------------------------------------------------
+    def join(self, state: State, after: Optional[int]) -> Context:
+        """Form the newest generation's group (newer than ``after``), sync the state."""
+        if self.store is None:
+            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=self.timeout))
+            return Context(dist.get_rank(), dist.get_world_size(),
+                           restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        while True:
+            gen = self._next_generation(after)
+            failed = False
+            try:
+                # Forming waits for a replacement to fork and start, which takes longer than a
+                # healthy collective on a busy host: a long timeout to form, then the short one.
+                dist.init_process_group(
+                    self.backend, store=dist.PrefixStore(pg_prefix(gen.gen), self.store),
+                    rank=self.rank, world_size=gen.world_size,
+                    timeout=datetime.timedelta(seconds=max(self.timeout, JOIN_TIMEOUT)))
+                _set_timeout(self.timeout)
+                # A worker whose first generation is not the first has no state of its own.
+                _sync(state, self.rank, fresh=self._fresh and gen.gen > 0)
+            except RuntimeError as e:
+                if not is_peer_failure(e):
+                    raise
+                failed = True
+            if failed:
+                # A peer died while the group formed: wait for the generation after this one.
+                self._teardown()
+                after = gen.gen
+                continue
+            self._fresh = False
+            if self.store.add(joined_key(gen.gen), 1) == gen.world_size:
+                self.store.set(ready_key(gen.gen), b"1")
+            return Context(self.rank, gen.world_size, gen.gen, gen.restart_count,
+                           recovered=after is not None)
+
+    def _next_generation(self, after: Optional[int]) -> Generation:
+        assert self.store is not None
+        if after is not None:
+            try:
+                self.store.wait([gen_key(after + 1)], datetime.timedelta(seconds=self.wait_s))
+            except RuntimeError:
+                raise RecoveryError(f"rank {self.rank}: no generation after {after} within "
+                                    f"{self.wait_s:.0f}s; giving up on in-place recovery") from None
+        latest = int(self.store.add(GEN_COUNTER, 0))
+        if after is not None and latest <= after:
+            latest = after + 1  # the record is written after the counter's bump; it exists
+        return Generation.from_json(self.store.get(gen_key(latest)))
+
+    def report_error(self, ctx: Context, first: str) -> None:
+        """Tear the group down and tell the agent (which may have to find a frozen peer)."""
+        assert self.store is not None
+        self._teardown()
+        try:
+            self.store.set(error_key(ctx.generation), json.dumps(
+                {"rank": self.rank, "error": first, "t": time.time()}).encode())
+        except RuntimeError:
+            pass  # the store is gone with the agent; the death signal ends this worker next
+        print(f"elastictk: rank {self.rank}: collective failed in generation "
+              f"{ctx.generation}: {first}; recovering in place", file=sys.stderr, flush=True)
+
+    def _teardown(self) -> None:
+        if not dist.is_initialized():
+            return
+        if self.backend == "nccl":
+            # Queued kernels would wait forever on a dead peer; abort the communicators first.
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except RuntimeError:
+                    pass
+        pg = dist.distributed_c10d._get_default_group()
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:
+            pass
+        # The group's C++ destructor closes its connections (which is what tells a peer still
+        # blocked on one of them) and then joins its threads, tens of ms. Run it off this
+        # thread: the connections close as soon, and the next group forms meanwhile.
+        reaper = threading.Thread(target=_drop, args=([pg],), name="elastictk-pg-teardown",
+                                  daemon=True)
+        del pg
+        reaper.start()
+        self._reapers.append(reaper)
+
+    def close(self) -> None:
+        self._teardown()
+        for t in self._reapers:
+            t.join(timeout=30)
+
+
+def _sync(state: State, rank: int, *, fresh: bool) -> None:
+    """Make every rank's state the newest commit any rank holds (broadcast from its holder).
+
+    A fresh worker counts as step -1, so any survivor's commit wins over its initial state; when
+    every rank is fresh (or all at one step) each keeps its own, as at the first start.
+    """
+    world = dist.get_world_size()
+    mine = torch.tensor([-1 if fresh else state.committed_step()], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(every, mine)
+    steps = [int(t[0]) for t in every]
+    best = max(steps)
+    if min(steps) == best:
+        return  # everyone is at the same commit: nothing to send
+    src = steps.index(best)
+    size = torch.zeros(1, dtype=torch.int64)
+    payload = state.to_bytes() if rank == src else b""
+    size[0] = len(payload)
+    dist.broadcast(size, src)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == src
+           else torch.empty(int(size[0]), dtype=torch.uint8))
+    dist.broadcast(buf, src)
+    if rank != src:
+        state.load_bytes(buf.numpy().tobytes())

@@ -1,0 +1,116 @@
+"""The keys an agent and its in-place workers share, and what a generation record says.
+
+A *generation* is one process group of a rendezvous round: generation 0 is the one the workers
+start in; every in-place recovery publishes the next. All keys live on the in-place store (a
+TCPStore the agent of group rank 0 hosts, so that it outlives any worker) under the round's
+prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
+
+    gen                  counter: the newest generation number (``add(gen, 0)`` reads it)
+    gen/<G>              JSON record of generation G (below); written right after the bump
+    g<G>/pg/...          the process group's own store keys (a fresh prefix per generation)
+    g<G>/joined          counter of workers that formed G's group and synced the state
+    g<G>/ready           set by the last of them: generation G trains
+    g<G>/error           the first worker whose collective failed in G says so here
+
+Plain JSON, no torch: the agent reads this module without importing torch.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+ENV_STORE = "ELASTICTK_INPLACE_STORE"
+ENV_PREFIX = "ELASTICTK_INPLACE_PREFIX"
+SCHEMA = "elastictk.inplace-generation/1"
+
+GEN_COUNTER = "gen"
+
+
+def gen_key(g: int) -> str:
+    return f"gen/{g}"
+
+
+def pg_prefix(g: int) -> str:
+    return f"g{g}/pg"
+
+
+def joined_key(g: int) -> str:
+    return f"g{g}/joined"
+
+
+def ready_key(g: int) -> str:
+    return f"g{g}/ready"
+
+
+def error_key(g: int) -> str:
+    return f"g{g}/error"
+
+
+def round_prefix(job_id: str, round_: int, attempt: int) -> str:
+    """Where one attempt's generations live; a new round or attempt never sees old keys."""
+    return f"elastictk/inplace/{job_id}/r{round_}/a{attempt}"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation: its number, world size, and the job's restart count when it formed.
+
+    ``restart_count`` is the job-wide count of failures recovered from (in place or by
+    restart-all), i.e. what a worker started now sees as ``TORCHELASTIC_RESTART_COUNT``.
+    """
+
+    gen: int
+    world_size: int
+    restart_count: int = 0
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps({"schema": SCHEMA, **asdict(self)}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Generation":
+        try:
+            d = json.loads(raw)
+            if d.get("schema") != SCHEMA:
+                raise ValueError("schema")
+            g = cls(int(d["gen"]), int(d["world_size"]), int(d.get("restart_count", 0)),
+                    str(d.get("reason", "")))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"in-place generation record: expected JSON with schema {SCHEMA!r}, "
+                             f"got {raw[:80]!r}") from None
+        if g.gen < 0 or g.world_size < 1 or g.restart_count < 0:
+            raise ValueError(f"in-place generation record out of range: {g}")
+        return g
+
+
+# Messages torch's backends raise when a peer died or hung (gloo: reset/closed connections and
+# timeouts; NCCL: aborted or timed-out communicators). A RuntimeError that is none of these is
+# the user's own bug and is not retried.
+_PEER_FAILURE = re.compile(
+    r"gloo|connection (reset|closed|refused)|broken pipe|timed out|timeout|nccl|"
+    r"process ?group|communicator|socket|peer", re.IGNORECASE)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` from a training step means a peer failed (recover) or is the step's
+    own bug (re-raise, so the worker fails and the agent sees why)."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    return bool(_PEER_FAILURE.search(str(exc)))
+
+
+def shard(global_size: int, rank: int, world_size: int) -> range:
+    """The global indices ``[0, global_size)`` this rank owns: contiguous, as even as possible.
+
+    A function of (size, rank, world) only, so after any membership change the ranks of the new
+    world together cover every index exactly once, whoever held which before.
+    """
+    if world_size < 1 or not 0 <= rank < world_size or global_size < 0:
+        raise ValueError(f"shard: need 0 <= rank < world_size and size >= 0, got "
+                         f"size={global_size} rank={rank} world={world_size}")
+    base, extra = divmod(global_size, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))

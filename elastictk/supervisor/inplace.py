@@ -1,0 +1,282 @@
+"""Agent side of ``--recovery in-place``: replace only the failed worker, keep the others.
+
+Erlang/OTP would call restart-all ``one_for_all`` and this ``one_for_one``. Per rendezvous
+round the agent of group rank 0 hosts an *in-place store* (a TCPStore in the agent, so it
+outlives any worker, unlike the one rank 0's worker hosts for a torchrun-style script) and
+publishes generation 0 there; workers find it through ``ELASTICTK_INPLACE_STORE``/``_PREFIX``
+(``elastictk.inplace.run_elastic`` uses it; a plain script ignores it).
+
+When a local worker fails:
+
+1. the failure is charged to the job's restart budget exactly as restart-all charges it (one
+   failure, one restart; the same ``--max-restarts``, intensity and job-wide state in the store);
+2. the failed local rank is started again from the preload fork server, with
+   ``TORCHELASTIC_RESTART_COUNT`` = the job's new restart count;
+3. the next generation is published (the survivors, blocked on it after their collective
+   failed, re-form their process group under its fresh prefix and send the replacement the state).
+
+A hung worker (SIGSTOP, a debugger, a stuck driver) makes the others' collectives time out; the
+first to time out writes the generation's ``error`` key, which wakes the agent: it kills its
+local workers that are frozen (process state ``T``/``t`` in ``/proc``), and their exit takes the
+path above. If the new generation is not ready within ``reform_timeout`` (survivors wedged in a
+backend call, a plain script that exits instead of re-forming, or errors with nobody to blame),
+the agent falls back to restart-all, without charging the budget a second time.
+
+``TORCHELASTIC_RESTART_COUNT``: a process sees the job's restart count *at its own start*.
+Survivors of an in-place recovery keep the value they started with; the current count is in
+the generation record (``ctx.restart_count`` in ``run_elastic``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..inplace.protocol import (
+    ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key, ready_key, round_prefix,
+)
+from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
+from .coordination import POLICY_KEY, Decision
+from .group import WorkerGroup
+from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
+from .spec import WorkerResult
+
+log = logging.getLogger("elastictk.agent")
+
+STORE_KEY = "inplace_store"  # in the rendezvous round's store: where the in-place store is
+DEFAULT_REFORM_TIMEOUT = 30.0
+
+Emit = Callable[..., None]
+
+
+def spend_restart(job: Store, policy: RestartPolicy, cause: str) -> Decision:
+    """Charge one failure to the job-wide restart budget; compare-and-set, so agents failing at
+    the same moment each charge theirs (restart-all's winner-decides needs no loop)."""
+    for _ in range(1000):
+        raw = job.try_get(POLICY_KEY)
+        state = policy.initial_state() if raw is None else PolicyState.from_json(json.loads(raw))
+        new, decision = policy.decide(state, Failure(time.time(), cause))
+        desired = json.dumps(new.to_json()).encode()
+        if job.compare_set(POLICY_KEY, raw, desired) == desired:
+            if isinstance(decision, Restart):
+                return Decision("restart", decision.restart_count, cause, decision.delay_s)
+            assert isinstance(decision, GiveUp)
+            return Decision("give_up", new.restart_count, decision.reason)
+    raise StoreError("restart budget: 1000 compare-and-set conflicts on the policy state")
+
+
+def proc_state(stat: str) -> str:
+    """The state letter of a ``/proc/<pid>/stat`` line (the command may hold spaces and ')')."""
+    return stat[stat.rindex(")") + 2:][:1]
+
+
+def is_frozen(pid: int) -> bool:
+    """Stopped by a signal (``T``) or by a tracer (``t``): alive, but it will never answer."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return proc_state(f.read()) in ("T", "t")
+    except (OSError, ValueError):
+        return False
+
+
+class InPlaceHost:
+    """The in-place store an agent hosts (group rank 0) or reaches (others), one per agent."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._server: Optional[TCPStore] = None
+
+    def endpoint(self, round_store: Store, is_rank0: bool, timeout: float) -> str:
+        if is_rank0:
+            if self._server is None:
+                self._server = TCPStore.serve(self.addr, 0)
+            host = f"[{self.addr}]" if ":" in self.addr else self.addr
+            ep = f"{host}:{self._server.port}"
+            round_store.set(STORE_KEY, ep.encode())
+            return ep
+        return round_store.get(STORE_KEY, timeout).decode()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class InPlaceRound:
+    """One rendezvous round's generations, as one agent sees and drives them."""
+
+    def __init__(self, group: WorkerGroup, job: Store, policy: RestartPolicy, endpoint: str,
+                 prefix: str, world_size: int, restart_count: int, *, publish_first: bool,
+                 reform_timeout: float = DEFAULT_REFORM_TIMEOUT, emit: Emit) -> None:
+        self.group = group
+        self.job = job
+        self.policy = policy
+        self.endpoint = endpoint
+        self.prefix = prefix
+        self.world_size = world_size
+        self.reform_timeout = reform_timeout
+        self.emit = emit
+        self._conn = TCPStore.connect(endpoint)
+        self.store: Store = PrefixStore(prefix, self._conn)
+        self.gen = 0
+        self.decision: Optional[Decision] = None  # the charge of the recovery in flight
+        self.failures: list[WorkerResult] = []
+        self.deadline: Optional[float] = None
+        self._recovery_started = 0.0
+        self.pending: Optional[int] = None  # the generation being formed
+        self._lock = threading.Lock()
+        self._errors = threading.Event()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        if publish_first:
+            self._publish(Generation(0, world_size, restart_count, "start"))
+        self._watcher = threading.Thread(target=self._watch, name="elastictk-inplace-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def env(self) -> dict[str, str]:
+        return {ENV_STORE: self.endpoint, ENV_PREFIX: self.prefix}
+
+    # -- generations --------------------------------------------------------------------------
+    def _publish(self, g: Generation) -> None:
+        self.store.set(gen_key(g.gen), g.to_json())
+
+    def _next(self, restart_count: int, reason: str) -> int:
+        g = self.store.add(GEN_COUNTER, 1)
+        self.store.set(gen_key(g), Generation(g, self.world_size, restart_count, reason).to_json())
+        return g
+
+    def _watch(self) -> None:
+        """Wake the agent when the current generation reports an error or the pending one is
+        ready; store waits (0.1 s at a time, to re-arm), so it reacts as the key appears.
+        It also follows generations another node's agent published (multi-node jobs)."""
+        store = self._conn.clone()
+        counter = f"{self.prefix}/{GEN_COUNTER}"
+        seen_error = -1
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    latest = store.add(counter, 0)
+                    if latest > self.gen:  # another agent replaced one of its workers
+                        self.gen = self.pending = latest
+                        self._ready.clear()
+                        self._begin_deadline()
+                    g, pending = self.gen, self.pending
+                if pending is not None and not self._ready.is_set():
+                    key = ready_key(pending)
+                elif seen_error != g:
+                    key = error_key(g)
+                else:
+                    self._stop.wait(0.1)
+                    continue
+                try:
+                    store.wait([f"{self.prefix}/{key}"], 0.1)
+                except StoreTimeout:
+                    continue
+                if key == error_key(g):
+                    seen_error = g
+                    self._errors.set()
+                else:
+                    self._ready.set()
+                self.group.wake()
+        except StoreError:
+            return  # the store is gone with its host; membership and heartbeats report that
+        finally:
+            store.close()
+
+    def _begin_deadline(self) -> None:
+        if self.deadline is None:
+            self._recovery_started = time.monotonic()
+        self.deadline = time.monotonic() + self.reform_timeout
+
+    # -- what the agent's monitor calls -------------------------------------------------------
+    def on_failures(self, failed: list[WorkerResult]) -> bool:
+        """Replace ``failed`` in place; False when the job must take the restart-all path
+        instead (a worker already finished, the budget is spent, a replacement cannot start)."""
+        if self.pending is not None:
+            # A failure while the last recovery is still forming: the workers are not
+            # re-forming (a plain script exits on a peer's death) or keep failing. Restart
+            # everything, on the budget that recovery already charged.
+            for r in failed:
+                self.emit("worker_failed", rank=r.rank, local_rank=r.local_rank,
+                          exit=r.signal_name or f"code {r.exitcode}", recovery="in-place")
+            self.emit("inplace_fallback", reason=f"{len(failed)} more worker(s) failed while "
+                      f"generation {self.gen} was forming")
+            self.failures.extend(failed)
+            self.fallback_decision()
+            return False
+        self.decision = None
+        results = self.group.results
+        if any(r.exitcode == 0 for r in results.values()):
+            return False  # the job is finishing; a lone replacement would wait for the others
+        first = min(failed, key=lambda r: r.ended_at)
+        for r in failed:
+            self.emit("worker_failed", rank=r.rank, local_rank=r.local_rank,
+                      exit=r.signal_name or f"code {r.exitcode}", recovery="in-place")
+        self.failures.extend(failed)
+        decision = spend_restart(self.job, self.policy, first.describe())
+        self.decision = decision
+        if decision.action != "restart":
+            return False
+        t0 = time.monotonic()
+        pids = {}
+        gen = self.gen + 1
+        try:
+            for r in failed:
+                pids[r.local_rank] = self.group.respawn(r.local_rank, decision.restart_count,
+                                                        f"gen_{gen}")
+        except Exception as e:  # noqa: BLE001 - any start failure means: restart everything
+            self.emit("inplace_fallback", reason=f"cannot start a replacement: {e}")
+            return False
+        with self._lock:
+            self.gen = self.pending = self._next(decision.restart_count, first.describe())
+            self._ready.clear()
+            self._errors.clear()
+            if self.deadline is None:
+                self._recovery_started = t0
+            self._begin_deadline()
+        self.emit("inplace_recovery", generation=self.gen, restart_count=decision.restart_count,
+                  replaced=pids, spawn_ms=round((time.monotonic() - t0) * 1000, 1))
+        return True
+
+    def poll(self) -> bool:
+        """Handle what the watcher saw; True when in-place recovery failed (fall back)."""
+        if self._errors.is_set():
+            self._errors.clear()
+            for lr, pid in self.group.pids().items():
+                if lr in self.group.running and is_frozen(pid):
+                    self.emit("worker_frozen", local_rank=lr, pid=pid, action="SIGKILL")
+                    self.group.signal_one(lr, 9)
+            if self.deadline is None:  # errors, but nothing died yet: give it reform_timeout
+                self._begin_deadline()
+        if self._ready.is_set() and self.pending is not None:
+            self.emit("inplace_recovered", generation=self.pending, pids=self.group.pids(),
+                      took_ms=round((time.monotonic() - self._recovery_started) * 1000, 1))
+            with self._lock:
+                self.deadline = self.pending = None
+                self._ready.clear()
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.emit("inplace_fallback", reason=f"generation {self.gen} not ready within "
+                      f"{self.reform_timeout:g}s")
+            return True
+        return False
+
+    def fallback_decision(self) -> Decision:
+        """What restart-all does now: the charge already made for this recovery, or (errors
+        but no failure to blame) a new one."""
+        if self.decision is None:
+            self.decision = spend_restart(self.job, self.policy,
+                                          f"generation {self.gen} did not re-form in place")
+        return self.decision
+
+    def wait_timeout(self, default: float) -> float:
+        if self.deadline is None:
+            return default
+        return max(0.0, min(default, self.deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=5)
+        self._conn.close()

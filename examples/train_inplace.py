@@ -1,0 +1,103 @@
+"""examples/train.py's job on elastictk's in-place recovery: a dead rank is replaced, the rest
+keep their processes, and nobody reads a checkpoint.
+
+The same model, data and optimizer as ``train.py`` (so a fault-free run of either prints the
+same final checksum), driven by ``elastictk.run_elastic``: the state is committed in memory
+after every step; when a peer dies the survivors roll back to the last commit, re-form their
+process group with the replacement, and send it the state over the group::
+
+    elastictk-run --standalone --nproc-per-node 4 --max-restarts 3 --recovery in-place \\
+        examples/train_inplace.py --steps 60 --crash 12:2
+
+Under torchrun, or elastictk-run's default restart-all, it runs too, without recovery (a
+failure ends the attempt and the job starts over: this example keeps no checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train import FEATURES, GLOBAL_BATCH, checksum  # noqa: E402  (same model and data)
+
+from elastictk.inplace import State, run_elastic  # noqa: E402
+from elastictk.inplace.loop import Context  # noqa: E402
+
+
+def batch(step: int, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of ``step`` at these global indices; who holds them does not matter."""
+    xs, ys = [], []
+    for i in indices:
+        g = torch.Generator().manual_seed(step * GLOBAL_BATCH + i)
+        x = torch.randn(FEATURES, generator=g, dtype=torch.float64)
+        xs.append(x)
+        ys.append((x * torch.arange(FEATURES, dtype=torch.float64)).sum().reshape(1))
+    return torch.stack(xs), torch.stack(ys)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-time", type=float, default=0.02)
+    p.add_argument("--crash", action="append", default=[],
+                   help="STEP:RANK[:SIGNAL] the first process of this rank kills itself at this "
+                        "step (SIGSTOP freezes it instead: a hang)")
+    p.add_argument("--record", help="append one JSON line per group formation to this file")
+    p.add_argument("--ckpt-dir", help="ignored (accepted so train.py's command lines work)")
+    p.add_argument("--ckpt-every", type=int, help="ignored")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(FEATURES, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = State(model=model, optimizer=opt, step=0)
+    first_process = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    crashes = {}
+    for spec in args.crash:
+        parts = spec.split(":")
+        crashes[(int(parts[0]), int(parts[1]))] = parts[2] if len(parts) > 2 else "SIGKILL"
+
+    def on_join(state: State, ctx: Context) -> None:
+        if ctx.generation > 0:
+            # The line train.py prints after loading its checkpoint; here the state came from
+            # memory (rolled back) or from a peer (a replacement).
+            print(f"[rank {ctx.rank}] resumed at step {state.step} (attempt {ctx.generation})",
+                  flush=True)
+        if args.record:
+            with open(args.record, "a") as f:
+                f.write(json.dumps({"rank": ctx.rank, "pid": os.getpid(), "gen": ctx.generation,
+                                    "step": state.step, "world": ctx.world_size,
+                                    "restart_count": ctx.restart_count}) + "\n")
+
+    def train_step(state: State, ctx: Context) -> None:
+        step = state.step
+        if first_process and (step, ctx.rank) in crashes:
+            sig = crashes.pop((step, ctx.rank))
+            print(f"[rank {ctx.rank}] injected {sig} at step {step}", flush=True)
+            os.kill(os.getpid(), getattr(signal, sig))
+        x, y = batch(step, ctx.shard(GLOBAL_BATCH))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") / GLOBAL_BATCH
+        loss.backward()
+        for prm in model.parameters():
+            dist.all_reduce(prm.grad)
+        opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        print(f"[rank {ctx.rank}] step {step + 1} loss {loss.item() * ctx.world_size:.6f}", flush=True)
+        state.step = step + 1
+
+    ctx = run_elastic(state, train_step, steps=args.steps, on_join=on_join)
+    if ctx.rank == 0:
+        print(f"final checksum {checksum(model)} after {args.steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

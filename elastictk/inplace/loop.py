@@ -89,6 +89,12 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
                     else os.environ.get(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT))
     if not state.committed:
         state.commit()
+    # Here a collective that runs past the timeout is a recoverable error (the group times
+    # out, the agent kills the frozen peer, the survivors re-form), not a hang for the
+    # watchdog to kill: the same --collective-timeout sets the group's timeout instead.
+    from .. import timer
+
+    timer.unwatch_collectives()
     session = Session.from_env(backend, timeout)
     ctx = session.join(state, after=None)
     if on_join is not None:

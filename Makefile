@@ -34,6 +34,7 @@ debs:
 
 demo: install
 	$(VPY) examples/demo.py
+	$(VPY) examples/demo_inplace.py
 
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
 test: install debs

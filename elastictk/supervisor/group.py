@@ -169,12 +169,7 @@ class WorkerGroup:
             for lr in range(spec.local_world_size):
                 w = self._workers[lr] = self._start_one(lr, envs[lr])
                 self._logs[lr].close_child_ends()
-                if self._watch is not None:
-                    self._watch.watch(w.pid)
-                self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
-                fd = w.result_fd()
-                if fd is not None:
-                    self._sel.register(fd, selectors.EVENT_READ, ("result", w))
+                self._register(w)
         except BaseException:
             for logs in self._logs.values():
                 logs.close_child_ends()
@@ -210,13 +205,17 @@ class WorkerGroup:
             w = self._workers[local_rank] = self._start_one(local_rank, env)
         finally:
             logs.close_child_ends()
+        self._register(w)
+        return w.pid
+
+    def _register(self, w: WorkerProcess) -> None:
+        """Watch a started worker: its death watch, its exit (pidfd) and its result pipe."""
         if self._watch is not None:
             self._watch.watch(w.pid)
         self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
         fd = w.result_fd()
         if fd is not None:
             self._sel.register(fd, selectors.EVENT_READ, ("result", w))
-        return w.pid
 
     def _start_one(self, local_rank: int, env: dict[str, str]) -> WorkerProcess:
         spec, logs = self.spec, self._logs[local_rank]

@@ -50,7 +50,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             psutil.Process(pid).kill()
         except psutil.NoSuchProcess:
             pass
-    new_shm = {s for s in _shm() - before_shm if s.startswith(("elastictk", "etk"))}
+    new_shm = {s for s in _shm() - before_shm if s.startswith(("elastictk", "etk", "faketime_shm", "sem.faketime"))}
     for name in new_shm:
         try:
             os.unlink(os.path.join("/dev/shm", name))

@@ -152,6 +152,7 @@ runpy.run_module("elastictk.run", run_name="__main__", alter_sys=True)
 def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Path, hosts: Hosts) -> None:
     assert os.path.exists(FAKETIME), "libfaketime missing: apt-get install faketime (make debs)"
     job = HostJob(tmp_path, hosts, f"{hosts[0].addr}:{PORT}")
+    preloaded: list[int] = []
     try:
         a = job.agent_on(hosts[0], "--sleep", "300", "--until", "stop")
         hosts[1].wait_listening(hosts[0].addr, PORT)
@@ -163,6 +164,7 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
                       AGENT_WALL_FILE=str(wall_file))
         before = time.time()
         c = job.agent_on(hosts[2], "--sleep", "300", "--until", "stop", env=skewed, wrapper=SKEWED_AGENT)
+        preloaded.append(c.pid)
         job.wait_for(lambda s: len(by_world(s, 6)) == 6)
         assert float(wall_file.read_text()) - before > 25, "host 2's agent really lives 30 s ahead"
         time.sleep(3 * 2.0)  # three heartbeat timeouts: long enough for a skew to kill a node
@@ -172,6 +174,9 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
         assert_stops_cleanly(job, [a, b, c])
     finally:
         job.close()
+        for pid in preloaded:  # libfaketime leaves a segment and a semaphore per process it ran in
+            for name in (f"faketime_shm_{pid}", f"sem.faketime_sem_{pid}"):
+                Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def test_etcd_job_survives_the_loss_of_a_store_member_and_its_host(tmp_path: Path, hosts: Hosts) -> None:

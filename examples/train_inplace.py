@@ -50,6 +50,8 @@ def main() -> None:
                    help="STEP:RANK[:SIGNAL] the first process of this rank kills itself at this "
                         "step (SIGSTOP freezes it instead: a hang)")
     p.add_argument("--record", help="append one JSON line per group formation to this file")
+    p.add_argument("--trace", help="append one JSON line per step and rank (the global sample "
+                   "indices it trained on) and, from rank 0, the final weights")
     p.add_argument("--ckpt-dir", help="ignored (accepted so train.py's command lines work)")
     p.add_argument("--ckpt-every", type=int, help="ignored")
     args = p.parse_args()
@@ -89,6 +91,12 @@ def main() -> None:
         for prm in model.parameters():
             dist.all_reduce(prm.grad)
         opt.step()
+        if args.trace:
+            part = ctx.shard(GLOBAL_BATCH)
+            with open(args.trace, "a") as f:
+                f.write(json.dumps({"step": step, "gen": ctx.generation, "rank": ctx.rank,
+                                    "world": ctx.world_size, "pid": os.getpid(),
+                                    "samples": [part.start, part.stop]}) + "\n")
         if args.step_time:
             time.sleep(args.step_time)
         print(f"[rank {ctx.rank}] step {step + 1} loss {loss.item() * ctx.world_size:.6f}", flush=True)
@@ -97,6 +105,10 @@ def main() -> None:
     ctx = run_elastic(state, train_step, steps=args.steps, on_join=on_join)
     if ctx.rank == 0:
         print(f"final checksum {checksum(model)} after {args.steps} steps", flush=True)
+        if args.trace:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            with open(args.trace, "a") as f:
+                f.write(json.dumps({"final": flat.tolist()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from .protocol import (
-    ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key, is_peer_failure,
-    joined_key, pg_prefix, ready_key, shard,
+    ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
+    is_peer_failure, joined_key, pg_prefix, ready_key, shard,
 )
 from .state import State
 
@@ -44,6 +44,7 @@ ENV_COLLECTIVE_TIMEOUT = "ELASTICTK_COLLECTIVE_TIMEOUT"
 ENV_WAIT = "ELASTICTK_INPLACE_WAIT"  # how long a survivor waits for the next generation
 DEFAULT_WAIT = 300.0
 JOIN_TIMEOUT = 120.0
+CHECK_EVERY = 0.05  # seconds between looks for a newer generation (nodes joining) between steps
 
 
 class RecoveryError(RuntimeError):
@@ -101,24 +102,33 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
         on_join(state, ctx)
     while True:
         failure: Optional[str] = None
+        moved = False
         try:
             while not finished(state):
                 train_step(state, ctx)
                 state.commit()
-            # The end is a step too: a peer lost before every rank got here is recovered, so
-            # no rank exits while the others still need it.
-            dist.barrier()
+                if session.superseded(ctx.generation):
+                    moved = True  # nodes join: the world grows at this commit point
+                    break
+            else:
+                # The end is a step too: a peer lost before every rank got here is recovered,
+                # so no rank exits while the others still need it.
+                dist.barrier()
+                moved = not session.finish(ctx)
         except RuntimeError as e:
             if not session.recoverable or not is_peer_failure(e):
                 session.close()
                 raise
             failure = _first_line(e)
-        if failure is None:
+        if failure is None and not moved:
             break
         # Out of the except block: the traceback's frames (holding the failed collective's work
         # and group) are gone, so tearing the group down really closes its connections, and a
         # peer still blocked on one of them fails now instead of at its timeout.
-        session.report_error(ctx, failure)
+        if failure is not None:
+            session.report_error(ctx, failure)
+        else:
+            session.leave(ctx)
         state.rollback()
         ctx = session.join(state, after=ctx.generation)
         if on_join is not None:
@@ -151,13 +161,18 @@ class Session:
     """This worker's link to the agent's generations (or, without one, a plain process group)."""
 
     def __init__(self, backend: str, timeout: float, rank: int, world_size: int,
-                 store: Optional[Any]) -> None:
+                 store: Optional[Any], node: str = "", local_rank: int = 0,
+                 first_gen: int = 0) -> None:
         self.backend = backend
         self.timeout = timeout
         self.rank = rank
         self.world_size = world_size
         self.store = store
+        self.node = node
+        self.local_rank = local_rank
+        self.first_gen = first_gen
         self.wait_s = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT))
+        self._next_check = 0.0
         self._fresh = True  # until it first joins, a worker holds only its initial state
         self._reapers: list[threading.Thread] = []
 
@@ -175,7 +190,9 @@ class Session:
         raw = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                             timeout=datetime.timedelta(seconds=max(timeout, 60.0)), use_libuv=True)
         store = dist.PrefixStore(os.environ.get(ENV_PREFIX, ""), raw)
-        return cls(backend, timeout, rank, world, store)
+        return cls(backend, timeout, rank, world, store, node=os.environ.get(ENV_NODE, ""),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   first_gen=int(os.environ.get(ENV_FIRST_GEN, "0")))
 
     # -- forming a generation -----------------------------------------------------------------
     def join(self, state: State, after: Optional[int]) -> Context:
@@ -186,6 +203,17 @@ class Session:
                            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         while True:
             gen = self._next_generation(after)
+            if gen.finished:
+                # Joined (or was replaced) just as the job ended: nothing left to train.
+                print(f"elastictk: rank {self.rank}: the job finished at generation "
+                      f"{gen.gen - 1} before this worker joined; exiting", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(0)
+            rank = gen.rank_of(self.node, self.local_rank, self.rank)
+            if rank is None:
+                raise RecoveryError(f"rank {self.rank}: generation {gen.gen} has no place for this "
+                                    f"node ({self.node or 'unnamed'}): it left the job")
+            self.rank, self.world_size = rank, gen.world_size
             failed = False
             try:
                 # Forming waits for a replacement to fork and start, which takes longer than a
@@ -214,6 +242,8 @@ class Session:
 
     def _next_generation(self, after: Optional[int]) -> Generation:
         assert self.store is not None
+        if after is None and self.first_gen > 0:
+            after = self.first_gen - 1  # a joining node's worker: not before the round it joins
         if after is not None:
             try:
                 self.store.wait([gen_key(after + 1)], datetime.timedelta(seconds=self.wait_s))
@@ -225,10 +255,52 @@ class Session:
             latest = after + 1  # the record is written after the counter's bump; it exists
         return Generation.from_json(self.store.get(gen_key(latest)))
 
+    def superseded(self, gen: int) -> bool:
+        """Whether a generation after ``gen`` exists (nodes joined); looked up at most every
+        ``CHECK_EVERY`` seconds, so a step costs one store round trip only now and then."""
+        if self.store is None:
+            return False
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + CHECK_EVERY
+        return bool(self.store.check([gen_key(gen + 1)]))
+
+    def finish(self, ctx: Context) -> bool:
+        """Every rank is past the last step: end the job, unless nodes joined just now.
+
+        Rank 0 claims the next generation's record for a ``finished`` one (compare-and-set);
+        when an agent published a real next generation first, the ranks go on into it (the
+        state is final already; the newcomers receive it, then all finish together). Rank 0
+        tells the others which it was, so every rank decides the same."""
+        if self.store is None:
+            return True
+        flag = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            done = Generation(ctx.generation + 1, ctx.world_size, ctx.restart_count,
+                              "finished", finished=True).to_json()
+            flag[0] = int(self.store.compare_set(gen_key(ctx.generation + 1), "", done) == done)
+        dist.broadcast(flag, 0)
+        return bool(flag[0])
+
+    def leave(self, ctx: Context) -> None:
+        """Leave the group at a commit point for the next generation (no failure to report)."""
+        self._teardown()
+        print(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
+              "re-forming at this commit", file=sys.stderr, flush=True)
+
     def report_error(self, ctx: Context, first: str) -> None:
         """Tear the group down and tell the agent (which may have to find a frozen peer)."""
         assert self.store is not None
         self._teardown()
+        try:
+            if self.store.check([gen_key(ctx.generation + 1)]):
+                # A peer left for the next generation (nodes joined or left): not a failure.
+                print(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
+                      f"re-forming ({first})", file=sys.stderr, flush=True)
+                return
+        except RuntimeError:
+            pass
         try:
             self.store.set(error_key(ctx.generation), json.dumps(
                 {"rank": self.rank, "error": first, "t": time.time()}).encode())

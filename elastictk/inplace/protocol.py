@@ -6,7 +6,9 @@ TCPStore the agent of group rank 0 hosts, so that it outlives any worker) under 
 prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
 
     gen                  counter: the newest generation number (``add(gen, 0)`` reads it)
-    gen/<G>              JSON record of generation G (below); written right after the bump
+    gen/<G>              JSON record of generation G (below); written once (compare-and-set)
+                         after the bump, by the agent publishing it, unless the workers'
+                         rank 0 wrote a ``finished`` record there first: the job ended
     g<G>/pg/...          the process group's own store keys (a fresh prefix per generation)
     g<G>/joined          counter of workers that formed G's group and synced the state
     g<G>/ready           set by the last of them: generation G trains
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 ENV_STORE = "ELASTICTK_INPLACE_STORE"
 ENV_PREFIX = "ELASTICTK_INPLACE_PREFIX"
+ENV_NODE = "ELASTICTK_INPLACE_NODE"  # the worker's agent (node id): its key in ``Generation.nodes``
+ENV_FIRST_GEN = "ELASTICTK_INPLACE_FIRST_GEN"  # a joining worker's first generation
 SCHEMA = "elastictk.inplace-generation/1"
 
 GEN_COUNTER = "gen"
@@ -58,12 +62,25 @@ class Generation:
 
     ``restart_count`` is the job-wide count of failures recovered from (in place or by
     restart-all), i.e. what a worker started now sees as ``TORCHELASTIC_RESTART_COUNT``.
+    ``nodes`` maps each node (agent id) to the global rank of its local rank 0: when nodes
+    leave or join in place, a surviving worker's rank is ``nodes[its node] + LOCAL_RANK``, so
+    its new rank follows from the record alone, whichever generations it skipped. Empty means
+    the ranks a worker started with hold.
     """
 
     gen: int
     world_size: int
     restart_count: int = 0
     reason: str = ""
+    nodes: dict[str, int] = field(default_factory=dict)
+    finished: bool = False  # the job ended here: a worker waiting for this generation is done
+
+    def rank_of(self, node: str, local_rank: int, current: int) -> int | None:
+        """This worker's rank in the generation; None when its node is not part of it."""
+        if not self.nodes:
+            return current
+        base = self.nodes.get(node)
+        return None if base is None else base + local_rank
 
     def to_json(self) -> bytes:
         return json.dumps({"schema": SCHEMA, **asdict(self)}).encode()
@@ -75,11 +92,14 @@ class Generation:
             if d.get("schema") != SCHEMA:
                 raise ValueError("schema")
             g = cls(int(d["gen"]), int(d["world_size"]), int(d.get("restart_count", 0)),
-                    str(d.get("reason", "")))
+                    str(d.get("reason", "")),
+                    {str(k): int(v) for k, v in dict(d.get("nodes") or {}).items()},
+                    bool(d.get("finished", False)))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"in-place generation record: expected JSON with schema {SCHEMA!r}, "
                              f"got {raw[:80]!r}") from None
-        if g.gen < 0 or g.world_size < 1 or g.restart_count < 0:
+        if g.gen < 0 or g.world_size < 1 or g.restart_count < 0 or any(
+                not 0 <= b < g.world_size for b in g.nodes.values()):
             raise ValueError(f"in-place generation record out of range: {g}")
         return g
 

@@ -23,10 +23,10 @@ from ..rendezvous import (
 )
 from ..store import Store, StoreError, free_port
 from .coordination import Decision, RoundCoordinator, restart_count
-from .env import Assignment, assign_ranks
-from ..inplace.protocol import round_prefix
+from .env import Assignment, NodeRanks, assign_ranks
+from ..inplace.protocol import Generation, round_prefix
 from .group import WorkerGroup
-from .inplace import InPlaceHost, InPlaceRound
+from .inplace import InPlaceHost, InPlaceRound, started_key
 from .policy import RestartPolicy
 from .report import FailureReport
 from .spec import WorkerResult, WorkerSpec
@@ -96,6 +96,7 @@ class ElasticAgent:
         self._inplace_host: InPlaceHost | None = None
         self._inplace: InPlaceRound | None = None
         self._assignment_now: Assignment | None = None
+        self._keep = False  # in-place: the workers run on through the next round
 
     # -- public -----------------------------------------------------------------------------
     def run(self) -> AgentResult:
@@ -154,27 +155,45 @@ class ElasticAgent:
             try:
                 info = handler.next_round()
             except RendezvousClosed as e:
+                if group.running:
+                    group.stop()  # kept for an in-place change that will not come
                 if ran:
                     return AgentResult("failed", 1, str(e), attempts=self.attempts)
                 self._emit("job_finished_elsewhere", message=str(e))
                 return AgentResult("finished-elsewhere", 0, f"{e}; exiting", attempts=self.attempts)
-            self.current = info
+            previous, self.current = self.current, info
             restarts = restart_count(handler.store, handler.signer, handler.prefix)
             assignment = self._assignment_now = self._assignment(info, restarts, addr)
             self._emit("round_joined", round=info.round, rank=info.rank, world=info.world_size)
             coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
                                      signer=handler.signer, where=(handler.prefix, info.store_prefix))
             watch = MembershipWatch(handler, info, on_change=group.wake)
+            keep_asked, self._keep = self._keep, False
+            cooperative = False
             try:
-                extra = self._begin_inplace(info, addr, restarts, assignment.global_world_size)
-                group.start(self.attempts, assignment, extra)
-                assert self.watchdog is not None
-                self.watchdog.arm(group.pids(), assignment, group.attempt_dir)
-                self.attempts += 1
+                extra, kept = self._begin_inplace(info, addr, restarts, keep_asked, previous)
+                if kept:
+                    group.reassign(assignment, extra)
+                    assert self._inplace is not None
+                    self._emit("workers_kept", generation=self._inplace.gen, pids=group.pids(),
+                               world_size=assignment.global_world_size)
+                else:
+                    if group.running:  # kept, but the round starts afresh (its host is gone)
+                        group.stop()
+                        self._emit("workers_stopped", reason="inplace_host_lost")
+                    group.start(self.attempts, assignment, extra)
+                    assert self.watchdog is not None
+                    self.watchdog.arm(group.pids(), assignment, group.attempt_dir)
+                    self.attempts += 1
+                    self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts,
+                               pids=group.pids(), world_size=assignment.global_world_size,
+                               run_dir=str(group.run_log_dir))
+                    if self._inplace is not None and self._inplace.pending is not None:
+                        info.store.set(started_key(handler.node_id), b"1")  # joined in place
                 ran = True
-                self._emit("workers_started", attempt=self.attempts - 1, restart_count=restarts, pids=group.pids(),
-                           world_size=assignment.global_world_size, run_dir=str(group.run_log_dir))
                 outcome, failed = self._monitor(coord, watch)
+                cooperative = (outcome == _Outcome.MEMBERSHIP and self._inplace is not None
+                               and self._inplace.cooperative())
             finally:
                 watch.stop()
                 if self._inplace is not None:
@@ -184,7 +203,14 @@ class ElasticAgent:
             if outcome == _Outcome.SIGNAL:
                 return self._signalled()
             if outcome == _Outcome.MEMBERSHIP:
-                self._emit("membership_changed", reason=watch.reason, cause=_cause(watch))
+                cause = _cause(watch)
+                self._emit("membership_changed", reason=watch.reason, cause=cause)
+                if (cooperative and cause in ("lost_node", "node_joined")
+                        and len(group.running) == cfg.spec.local_world_size):
+                    # In place: the workers run on (or wait, when a peer node is gone) while
+                    # the next round forms, then re-form with the new world.
+                    self._keep = True
+                    continue
                 group.stop()
                 self._emit("workers_stopped", reason="membership_changed")
                 if watch.store_error is not None:
@@ -293,20 +319,35 @@ class ElasticAgent:
             self._emit("workers_stopped", reason="peer_failed")
         return coord.await_decision(self.config.decision_timeout)
 
-    def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, world: int) -> dict[str, str]:
-        """In-place mode: the round's generation store; the workers' extra environment."""
+    def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, keep: bool,
+                       previous: RoundInfo | None) -> tuple[dict[str, str], bool]:
+        """In-place mode: the round's generations and the workers' extra environment; True
+        when this agent's running workers carry on into the round (``keep`` asked for it and
+        the round's setup agreed)."""
         self._inplace = None
         if self.config.recovery != "in-place":
-            return {}
-        if self._inplace_host is None:
-            self._inplace_host = InPlaceHost(addr)
-        endpoint = self._inplace_host.endpoint(info.store, info.rank == 0, self.config.rdzv.join_timeout)
+            return {}, False
         assert self.handler is not None and self.group is not None
+        node_id = self.handler.node_id
+        if self._inplace_host is None:
+            self._inplace_host = InPlaceHost(addr, node_id)
+        members = sorted(info.members, key=lambda m: m.rank)
+        ranges = self._node_ranges(info)
+        nodes = {m.node_id: r.base_global_rank for m, r in zip(members, ranges)}
+        world = ranges[0].global_world_size
+        first = Generation(0, world, restarts, "nodes changed" if keep else "start", nodes)
+        setup = self._inplace_host.agree(
+            self.handler.store, info, keep=keep,
+            fresh_prefix=round_prefix(self.config.rdzv.job_id, info.round, self.attempts),
+            first=first, timeout=self.config.rdzv.join_timeout,
+            start_timeout=self.config.reform_timeout, joining=[
+                m.node_id for m in info.members
+                if previous is None or m.node_id not in {p.node_id for p in previous.members}])
         self._inplace = InPlaceRound(
-            self.group, self.handler.store, self.config.policy, endpoint,
-            round_prefix(self.config.rdzv.job_id, info.round, self.attempts), world, restarts,
-            publish_first=info.rank == 0, reform_timeout=self.config.reform_timeout, emit=self._emit)
-        return self._inplace.env()
+            self.group, self.handler.store, self.config.policy, setup, world, nodes,
+            reform_timeout=self.config.reform_timeout,
+            error_grace=self.config.rdzv.heartbeat_timeout + 5, emit=self._emit)
+        return self._inplace.env(node_id, setup.gen), keep and setup.keep
 
     def _report(self, restarts: int) -> FailureReport:
         assert self.group is not None
@@ -327,14 +368,20 @@ class ElasticAgent:
     # -- helpers ----------------------------------------------------------------------------
     def _assignment(self, info: RoundInfo, restarts: int, addr: str) -> Assignment:
         cfg = self.config
-        members = sorted(info.members, key=lambda m: m.rank)
-        ranks = assign_ranks([(str(m.meta.get("role", cfg.spec.role)), int(m.meta.get("nproc", cfg.spec.local_world_size))) for m in members])
+        ranks = self._node_ranges(info)
         master_addr, master_port = self._master(info, addr)
         return Assignment.from_node_ranks(
             info.rank, info.world_size, ranks[info.rank], master_addr=master_addr,
             master_port=master_port, run_id=cfg.rdzv.job_id, restart_count=restarts,
             max_restarts=cfg.max_restarts, use_agent_store=False,
         )
+
+    def _node_ranges(self, info: RoundInfo) -> list[NodeRanks]:
+        """Every member's rank range, in group-rank order (torchrun's assignment)."""
+        spec = self.config.spec
+        members = sorted(info.members, key=lambda m: m.rank)
+        return assign_ranks([(str(m.meta.get("role", spec.role)), int(m.meta.get("nproc", spec.local_world_size)))
+                             for m in members])
 
     def _master(self, info: RoundInfo, addr: str) -> tuple[str, int]:
         """Group rank 0 picks MASTER_ADDR/PORT for the workers' own store and tells the others."""

@@ -208,6 +208,16 @@ class WorkerGroup:
         self._register(w)
         return w.pid
 
+    def reassign(self, assignment: Assignment, extra_env: Optional[dict[str, str]] = None) -> None:
+        """Nodes joined or left while the workers kept running (in-place): later replacements
+        and results use the new ranks. The running workers learn theirs from the generation."""
+        if not self._open:
+            raise GroupStateError("no open attempt to reassign; start() one first")
+        assignment.check(self.spec.local_world_size)
+        self._assignment = assignment
+        if extra_env is not None:
+            self._extra_env = dict(extra_env)
+
     def _register(self, w: WorkerProcess) -> None:
         """Watch a started worker: its death watch, its exit (pidfd) and its result pipe."""
         if self._watch is not None:

@@ -22,6 +22,14 @@ path above. If the new generation is not ready within ``reform_timeout`` (surviv
 backend call, a plain script that exits instead of re-forming, or errors with nobody to blame),
 the agent falls back to restart-all, without charging the budget a second time.
 
+Nodes joining or leaving (a new rendezvous round) do not stop the workers either: each agent
+keeps its running workers through the round (``ElasticAgent`` asks ``InPlaceRound.cooperative``
+first), and the agent hosting the in-place store, which stays the host while it is a member,
+publishes a generation with the new world size and every node's first rank (``Setup``, agreed
+through the round's store). A lost node costs the survivors one rollback; joining nodes start
+their workers before the generation is published, so the kept ones train on meanwhile. Neither
+is charged to the restart budget, as in restart-all.
+
 ``TORCHELASTIC_RESTART_COUNT``: a process sees the job's restart count *at its own start*.
 Survivors of an in-place recovery keep the value they started with; the current count is in
 the generation record (``ctx.restart_count`` in ``run_elastic``).
@@ -32,11 +40,14 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Optional, Sequence
 
 from ..inplace.protocol import (
-    ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key, ready_key, round_prefix,
+    ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
+    ready_key,
 )
+from ..rendezvous import RoundInfo
 from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
 from .coordination import POLICY_KEY, Decision
 from .group import WorkerGroup
@@ -45,7 +56,13 @@ from .spec import WorkerResult
 
 log = logging.getLogger("elastictk.agent")
 
-STORE_KEY = "inplace_store"  # in the rendezvous round's store: where the in-place store is
+STORE_KEY = "inplace_setup"  # in the rendezvous round's store: the round's Setup (JSON)
+HOST_KEY = "inplace/host"  # in the job's store: the node whose agent hosts the in-place store
+
+
+def started_key(node_id: str) -> str:
+    """In the round's store: a node that joined in place has started its workers."""
+    return f"inplace_started/{node_id}"
 DEFAULT_REFORM_TIMEOUT = 30.0
 
 Emit = Callable[..., None]
@@ -81,22 +98,93 @@ def is_frozen(pid: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every agent of a round uses in in-place mode; one agent writes it (see ``agree``).
+
+    ``keep``: the previous round's workers keep running and re-form in generation ``gen`` with
+    the nodes that joined or without those that left; otherwise ``gen`` is 0 under a fresh
+    ``prefix`` and every agent starts its workers anew.
+    """
+
+    endpoint: str
+    prefix: str
+    gen: int
+    keep: bool
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Setup":
+        try:
+            d = json.loads(raw)
+            return cls(str(d["endpoint"]), str(d["prefix"]), int(d["gen"]), bool(d["keep"]))
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(f"in-place setup record {STORE_KEY!r}: expected JSON with endpoint, "
+                             f"prefix, gen and keep, got {raw[:80]!r}") from None
+
+
 class InPlaceHost:
-    """The in-place store an agent hosts (group rank 0) or reaches (others), one per agent."""
+    """The in-place store an agent hosts, and the per-round agreement on how to use it.
 
-    def __init__(self, addr: str) -> None:
+    The store outlives rounds: when nodes join or leave, the workers that keep running are
+    still connected to it, so the agent hosting it stays the host (its node id is in the job's
+    store under ``HOST_KEY``) for as long as it is a member. Only when the host is gone does the
+    group rank 0 agent start a fresh one, and then no worker can be kept.
+    """
+
+    def __init__(self, addr: str, node_id: str) -> None:
         self.addr = addr
+        self.node_id = node_id
         self._server: Optional[TCPStore] = None
+        self._prefix: Optional[str] = None  # the generations this agent hosts now
 
-    def endpoint(self, round_store: Store, is_rank0: bool, timeout: float) -> str:
-        if is_rank0:
-            if self._server is None:
-                self._server = TCPStore.serve(self.addr, 0)
-            host = f"[{self.addr}]" if ":" in self.addr else self.addr
-            ep = f"{host}:{self._server.port}"
-            round_store.set(STORE_KEY, ep.encode())
-            return ep
-        return round_store.get(STORE_KEY, timeout).decode()
+    def agree(self, job: Store, info: RoundInfo, *, keep: bool, fresh_prefix: str,
+              first: Generation, joining: Sequence[str], timeout: float,
+              start_timeout: float) -> Setup:
+        """The round's setup: written by the host (or, with the host gone, by group rank 0),
+        read by everyone else. ``keep``: this agent's workers are still running and re-forming
+        them in place is possible; the host's own ``keep`` decides for the round. ``first`` is
+        the generation to publish (its number is filled in here).
+
+        When nodes join in place, the generation is published only once their agents have
+        started their workers (``started``; at most ``timeout``): the kept workers train on
+        meanwhile instead of waiting, at the new generation, for a fork server to start
+        (at most ``start_timeout``)."""
+        raw = job.try_get(HOST_KEY)
+        host = raw.decode() if raw is not None else None
+        members = {m.node_id for m in info.members}
+        if host == self.node_id and self._prefix is not None:
+            setup = self._setup(keep)
+        elif (host is None or host not in members) and info.rank == 0:
+            job.set(HOST_KEY, self.node_id.encode())
+            setup = self._setup(False)
+        else:
+            return Setup.from_json(info.store.get(STORE_KEY, timeout))
+        self._prefix = setup.prefix if setup.keep else fresh_prefix
+        setup = replace(setup, prefix=self._prefix)
+        info.store.set(STORE_KEY, setup.to_json())
+        if setup.keep and joining:
+            try:
+                info.store.wait([started_key(n) for n in joining], start_timeout)
+            except StoreTimeout:
+                pass  # publish anyway: the late workers join the formed generation's group
+        assert self._server is not None
+        # Once: the workers' rank 0 may have written "finished" here as the job ended.
+        record = replace(first, gen=setup.gen).to_json()
+        self._server.compare_set(f"{self._prefix}/{gen_key(setup.gen)}", None, record)
+        return setup
+
+    def _setup(self, keep: bool) -> Setup:
+        if self._server is None:
+            self._server = TCPStore.serve(self.addr, 0)
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        endpoint = f"{host}:{self._server.port}"
+        if keep and self._prefix is not None:
+            gen = self._server.add(f"{self._prefix}/{GEN_COUNTER}", 1)
+            return Setup(endpoint, self._prefix, gen, True)
+        return Setup(endpoint, "", 0, False)
 
     def close(self) -> None:
         if self._server is not None:
@@ -107,46 +195,59 @@ class InPlaceHost:
 class InPlaceRound:
     """One rendezvous round's generations, as one agent sees and drives them."""
 
-    def __init__(self, group: WorkerGroup, job: Store, policy: RestartPolicy, endpoint: str,
-                 prefix: str, world_size: int, restart_count: int, *, publish_first: bool,
-                 reform_timeout: float = DEFAULT_REFORM_TIMEOUT, emit: Emit) -> None:
+    def __init__(self, group: WorkerGroup, job: Store, policy: RestartPolicy, setup: Setup,
+                 world_size: int, nodes: dict[str, int], *,
+                 reform_timeout: float = DEFAULT_REFORM_TIMEOUT, error_grace: float = 0.0,
+                 emit: Emit) -> None:
         self.group = group
         self.job = job
         self.policy = policy
-        self.endpoint = endpoint
-        self.prefix = prefix
+        self.endpoint = setup.endpoint
+        self.prefix = setup.prefix
         self.world_size = world_size
+        self.nodes = dict(nodes)
         self.reform_timeout = reform_timeout
+        self.error_grace = error_grace
         self.emit = emit
-        self._conn = TCPStore.connect(endpoint)
-        self.store: Store = PrefixStore(prefix, self._conn)
-        self.gen = 0
+        self._conn = TCPStore.connect(setup.endpoint)
+        self.store: Store = PrefixStore(setup.prefix, self._conn)
+        self.gen = setup.gen
         self.decision: Optional[Decision] = None  # the charge of the recovery in flight
         self.failures: list[WorkerResult] = []
         self.deadline: Optional[float] = None
         self._recovery_started = 0.0
         self.pending: Optional[int] = None  # the generation being formed
+        self._pending_kind = "inplace_recovered"
         self._lock = threading.Lock()
         self._errors = threading.Event()
         self._ready = threading.Event()
         self._stop = threading.Event()
-        if publish_first:
-            self._publish(Generation(0, world_size, restart_count, "start"))
+        if setup.keep:  # nodes joined or left: the kept workers re-form in this generation
+            self.pending, self._pending_kind = setup.gen, "inplace_resized"
+            self._begin_deadline()
         self._watcher = threading.Thread(target=self._watch, name="elastictk-inplace-watch",
                                          daemon=True)
         self._watcher.start()
 
-    def env(self) -> dict[str, str]:
-        return {ENV_STORE: self.endpoint, ENV_PREFIX: self.prefix}
+    def env(self, node_id: str, first_gen: int) -> dict[str, str]:
+        return {ENV_STORE: self.endpoint, ENV_PREFIX: self.prefix, ENV_NODE: node_id,
+                ENV_FIRST_GEN: str(first_gen)}
 
     # -- generations --------------------------------------------------------------------------
-    def _publish(self, g: Generation) -> None:
-        self.store.set(gen_key(g.gen), g.to_json())
-
     def _next(self, restart_count: int, reason: str) -> int:
         g = self.store.add(GEN_COUNTER, 1)
-        self.store.set(gen_key(g), Generation(g, self.world_size, restart_count, reason).to_json())
+        self.store.compare_set(gen_key(g), None, Generation(g, self.world_size, restart_count,
+                                                             reason, self.nodes).to_json())
         return g
+
+    def cooperative(self) -> bool:
+        """Whether the workers re-form in place at all (``run_elastic`` marks each generation
+        ready; a plain script never does): only then can they be kept through a change of
+        nodes."""
+        try:
+            return any(self.store.try_get(ready_key(g)) is not None for g in range(self.gen + 1))
+        except StoreError:
+            return False
 
     def _watch(self) -> None:
         """Wake the agent when the current generation reports an error or the pending one is
@@ -161,6 +262,7 @@ class InPlaceRound:
                     latest = store.add(counter, 0)
                     if latest > self.gen:  # another agent replaced one of its workers
                         self.gen = self.pending = latest
+                        self._pending_kind = "inplace_recovered"
                         self._ready.clear()
                         self._begin_deadline()
                     g, pending = self.gen, self.pending
@@ -186,10 +288,10 @@ class InPlaceRound:
         finally:
             store.close()
 
-    def _begin_deadline(self) -> None:
+    def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:
             self._recovery_started = time.monotonic()
-        self.deadline = time.monotonic() + self.reform_timeout
+        self.deadline = time.monotonic() + (self.reform_timeout if timeout is None else timeout)
 
     # -- what the agent's monitor calls -------------------------------------------------------
     def on_failures(self, failed: list[WorkerResult]) -> bool:
@@ -232,6 +334,7 @@ class InPlaceRound:
             return False
         with self._lock:
             self.gen = self.pending = self._next(decision.restart_count, first.describe())
+            self._pending_kind = "inplace_recovered"
             self._ready.clear()
             self._errors.clear()
             if self.deadline is None:
@@ -249,10 +352,13 @@ class InPlaceRound:
                 if lr in self.group.running and is_frozen(pid):
                     self.emit("worker_frozen", local_rank=lr, pid=pid, action="SIGKILL")
                     self.group.signal_one(lr, 9)
-            if self.deadline is None:  # errors, but nothing died yet: give it reform_timeout
-                self._begin_deadline()
+            if self.deadline is None:
+                # Errors, but nothing died here: a worker elsewhere is being replaced, or a
+                # node is gone and the membership watch will say so within error_grace.
+                self._begin_deadline(max(self.reform_timeout, self.error_grace))
         if self._ready.is_set() and self.pending is not None:
-            self.emit("inplace_recovered", generation=self.pending, pids=self.group.pids(),
+            self.emit(self._pending_kind, generation=self.pending, pids=self.group.pids(),
+                      world_size=self.world_size,
                       took_ms=round((time.monotonic() - self._recovery_started) * 1000, 1))
             with self._lock:
                 self.deadline = self.pending = None

@@ -35,7 +35,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 DEFAULT_PRELOAD = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                   "elastictk.inplace.loop")  # what a replacement worker of run_elastic needs
+                   "elastictk.inplace.loop", "elastictk.faults")  # what replacement workers import
 _LEN = struct.Struct("!I")
 _STATUS = struct.Struct("!i")
 _FD_NAMES = ("stdout", "stderr", "status", "result")
@@ -108,6 +108,30 @@ def _child(ctl: socket.socket, header: dict[str, Any], payload: bytes, fds: dict
         finish_interpreter(code)
 
 
+def _warm() -> None:
+    """Pay torch's first-call costs once, here, instead of in every forked worker.
+
+    ``torch.manual_seed`` (the first line of most training scripts) queues a lazy CUDA seeding
+    that captures a formatted stack, reading torch's source files into ``linecache`` (about
+    6 ms); done here, the children inherit the cache. Seeding with ``initial_seed()`` leaves
+    the generator exactly as a fresh interpreter has it. A one-element ``torch.save``/``load``
+    round trip sets up the serialization paths an in-place recovery sends the state through
+    (a few ms on each side). Nothing here starts a thread, which a fork would not carry over.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        import io
+
+        torch.manual_seed(torch.initial_seed())
+        buf = io.BytesIO()
+        torch.save({"warm": torch.zeros(1)}, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - only speed is at stake
+        pass
+
+
 def serve(ctl_fd: int, preload: Sequence[str]) -> None:
     """The server's main loop: preload, report ready, fork on request, report exits."""
     ctl = socket.socket(fileno=ctl_fd)
@@ -119,6 +143,7 @@ def serve(ctl_fd: int, preload: Sequence[str]) -> None:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - a missing optional module only costs speed
             failed[name] = f"{type(e).__name__}: {e}"
+    _warm()
     _send_frame(ctl, {"ready": True, "seconds": time.monotonic() - t0, "failed": failed})
 
     sel = selectors.DefaultSelector()

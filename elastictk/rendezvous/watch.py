@@ -160,6 +160,18 @@ class MembershipWatch:
                 self._strangers.add(seq)
         return first_unread
 
+    @property
+    def cause(self) -> str:
+        """What changed, as a word for events and decisions: store_lost, lost_node, shutdown
+        or node_joined (a new round opened)."""
+        if self.store_error is not None:
+            return "store_lost"
+        if self.lost:
+            return "lost_node"
+        if self.reason and "shut down" in self.reason:
+            return "shutdown"
+        return "node_joined"
+
     def wait(self, timeout: float | None = None) -> bool:
         return self.changed.wait(timeout)
 

@@ -22,11 +22,13 @@ from ..rendezvous import (
     MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousError, RendezvousHandler, RoundInfo,
 )
 from ..store import Store, StoreError, free_port
+from .address import is_ip, local_address
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, NodeRanks, assign_ranks
 from ..inplace.protocol import Generation, round_prefix
 from .group import WorkerGroup
-from .inplace import InPlaceHost, InPlaceRound, started_key
+from .inplace import InPlaceRound
+from .inplace_setup import InPlaceHost, started_key
 from .policy import RestartPolicy
 from .report import FailureReport
 from .spec import WorkerResult, WorkerSpec
@@ -203,7 +205,7 @@ class ElasticAgent:
             if outcome == _Outcome.SIGNAL:
                 return self._signalled()
             if outcome == _Outcome.MEMBERSHIP:
-                cause = _cause(watch)
+                cause = watch.cause
                 self._emit("membership_changed", reason=watch.reason, cause=cause)
                 if (cooperative and cause in ("lost_node", "node_joined")
                         and len(group.running) == cfg.spec.local_world_size):
@@ -386,7 +388,7 @@ class ElasticAgent:
     def _master(self, info: RoundInfo, addr: str) -> tuple[str, int]:
         """Group rank 0 picks MASTER_ADDR/PORT for the workers' own store and tells the others."""
         if info.rank == 0:
-            port = free_port(addr if _is_ip(addr) else "0.0.0.0")
+            port = free_port(addr if is_ip(addr) else "0.0.0.0")
             info.store.set("master", f"{addr} {port}".encode())
             return addr, port
         host, port = info.store.get("master", self.config.rdzv.join_timeout).decode().split()
@@ -425,41 +427,3 @@ class ElasticAgent:
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
-
-
-def _cause(watch: MembershipWatch) -> str:
-    if watch.store_error is not None:
-        return "store_lost"
-    if watch.lost:
-        return "lost_node"
-    if watch.reason and "shut down" in watch.reason:
-        return "shutdown"
-    return "node_joined"
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in text else socket.AF_INET, text)
-        return True
-    except OSError:
-        return False
-
-
-def local_address(store_endpoint: str | None) -> str:
-    """The address peers can reach this node at: the one it uses to reach the store.
-
-    Hostnames do not resolve in every cluster (or test network namespace); the source address
-    of a route to the rendezvous endpoint does, when there is one.
-    """
-    from ..store import parse_endpoint
-
-    for text in (store_endpoint or "").split(","):  # etcd: a list of members
-        try:
-            ep = parse_endpoint(text.strip(), 1)
-            family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((ep.host, ep.port or 1))
-                return str(s.getsockname()[0])
-        except (OSError, ValueError):
-            continue
-    return socket.getfqdn()

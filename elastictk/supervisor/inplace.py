@@ -40,15 +40,14 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
     ready_key,
 )
-from ..rendezvous import RoundInfo
 from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
+from .inplace_setup import Setup
 from .coordination import POLICY_KEY, Decision
 from .group import WorkerGroup
 from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
@@ -56,13 +55,6 @@ from .spec import WorkerResult
 
 log = logging.getLogger("elastictk.agent")
 
-STORE_KEY = "inplace_setup"  # in the rendezvous round's store: the round's Setup (JSON)
-HOST_KEY = "inplace/host"  # in the job's store: the node whose agent hosts the in-place store
-
-
-def started_key(node_id: str) -> str:
-    """In the round's store: a node that joined in place has started its workers."""
-    return f"inplace_started/{node_id}"
 DEFAULT_REFORM_TIMEOUT = 30.0
 
 Emit = Callable[..., None]
@@ -96,100 +88,6 @@ def is_frozen(pid: int) -> bool:
             return proc_state(f.read()) in ("T", "t")
     except (OSError, ValueError):
         return False
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every agent of a round uses in in-place mode; one agent writes it (see ``agree``).
-
-    ``keep``: the previous round's workers keep running and re-form in generation ``gen`` with
-    the nodes that joined or without those that left; otherwise ``gen`` is 0 under a fresh
-    ``prefix`` and every agent starts its workers anew.
-    """
-
-    endpoint: str
-    prefix: str
-    gen: int
-    keep: bool
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "Setup":
-        try:
-            d = json.loads(raw)
-            return cls(str(d["endpoint"]), str(d["prefix"]), int(d["gen"]), bool(d["keep"]))
-        except (ValueError, KeyError, TypeError):
-            raise StoreError(f"in-place setup record {STORE_KEY!r}: expected JSON with endpoint, "
-                             f"prefix, gen and keep, got {raw[:80]!r}") from None
-
-
-class InPlaceHost:
-    """The in-place store an agent hosts, and the per-round agreement on how to use it.
-
-    The store outlives rounds: when nodes join or leave, the workers that keep running are
-    still connected to it, so the agent hosting it stays the host (its node id is in the job's
-    store under ``HOST_KEY``) for as long as it is a member. Only when the host is gone does the
-    group rank 0 agent start a fresh one, and then no worker can be kept.
-    """
-
-    def __init__(self, addr: str, node_id: str) -> None:
-        self.addr = addr
-        self.node_id = node_id
-        self._server: Optional[TCPStore] = None
-        self._prefix: Optional[str] = None  # the generations this agent hosts now
-
-    def agree(self, job: Store, info: RoundInfo, *, keep: bool, fresh_prefix: str,
-              first: Generation, joining: Sequence[str], timeout: float,
-              start_timeout: float) -> Setup:
-        """The round's setup: written by the host (or, with the host gone, by group rank 0),
-        read by everyone else. ``keep``: this agent's workers are still running and re-forming
-        them in place is possible; the host's own ``keep`` decides for the round. ``first`` is
-        the generation to publish (its number is filled in here).
-
-        When nodes join in place, the generation is published only once their agents have
-        started their workers (``started``; at most ``timeout``): the kept workers train on
-        meanwhile instead of waiting, at the new generation, for a fork server to start
-        (at most ``start_timeout``)."""
-        raw = job.try_get(HOST_KEY)
-        host = raw.decode() if raw is not None else None
-        members = {m.node_id for m in info.members}
-        if host == self.node_id and self._prefix is not None:
-            setup = self._setup(keep)
-        elif (host is None or host not in members) and info.rank == 0:
-            job.set(HOST_KEY, self.node_id.encode())
-            setup = self._setup(False)
-        else:
-            return Setup.from_json(info.store.get(STORE_KEY, timeout))
-        self._prefix = setup.prefix if setup.keep else fresh_prefix
-        setup = replace(setup, prefix=self._prefix)
-        info.store.set(STORE_KEY, setup.to_json())
-        if setup.keep and joining:
-            try:
-                info.store.wait([started_key(n) for n in joining], start_timeout)
-            except StoreTimeout:
-                pass  # publish anyway: the late workers join the formed generation's group
-        assert self._server is not None
-        # Once: the workers' rank 0 may have written "finished" here as the job ended.
-        record = replace(first, gen=setup.gen).to_json()
-        self._server.compare_set(f"{self._prefix}/{gen_key(setup.gen)}", None, record)
-        return setup
-
-    def _setup(self, keep: bool) -> Setup:
-        if self._server is None:
-            self._server = TCPStore.serve(self.addr, 0)
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        endpoint = f"{host}:{self._server.port}"
-        if keep and self._prefix is not None:
-            gen = self._server.add(f"{self._prefix}/{GEN_COUNTER}", 1)
-            return Setup(endpoint, self._prefix, gen, True)
-        return Setup(endpoint, "", 0, False)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
 
 class InPlaceRound:

@@ -28,8 +28,9 @@ CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=3,join_time
 class Job:
     """Agents of one in-place job (file rendezvous: no store host to lose); reaps them all."""
 
-    def __init__(self, tmp: Path, nnodes: str, steps: int = STEPS) -> None:
+    def __init__(self, tmp: Path, nnodes: str, steps: int = STEPS, restarts: int = 0) -> None:
         self.tmp = tmp
+        self.restarts = restarts
         self.nnodes = nnodes
         self.steps = steps
         self.trace = tmp / "trace.jsonl"
@@ -40,7 +41,7 @@ class Job:
         i = len(self.agents)
         cmd = [sys.executable, "-m", "elastictk.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
                "--rdzv-backend", "file", "--rdzv-endpoint", str(self.tmp / "rdzv"), "--rdzv-id", "scale",
-               "--rdzv-conf", CONF, "--max-restarts", "0", "--recovery", "in-place",
+               "--rdzv-conf", CONF, "--max-restarts", str(self.restarts), "--recovery", "in-place",
                "--log-dir", str(self.tmp / f"logs{i}"), "--event-log", str(self.events(i)),
                INPLACE, "--steps", str(self.steps), "--step-time", "0.1", "--trace", str(self.trace),
                "--record", str(self.record), *extra]
@@ -261,3 +262,27 @@ def test_the_end_and_a_new_generation_race_for_one_record(tmp_path: Path) -> Non
             dist.destroy_process_group()
         del store, raw
         server.close()
+
+
+def test_losing_the_in_place_stores_host_restarts_the_job(tmp_path: Path, reference: list[float]) -> None:
+    """The agent hosting the in-place store is SIGKILLed: the kept workers cannot re-form, so
+    the job restarts as restart-all would (one restart charged) and still finishes."""
+    job = Job(tmp_path, "2:3", restarts=2)
+    try:
+        for _ in range(3):
+            job.start()
+        job.wait_step(8)
+        host = next(i for i in range(3) if job.round_rank(i) == 0)
+        os.kill(job.agents[host].pid, signal.SIGKILL)
+        outs = job.finish()
+    finally:
+        job.close()
+    survivors = [i for i in range(3) if i != host]
+    assert [job.agents[i].returncode for i in survivors] == [0, 0], [outs[i][-3000:] for i in survivors]
+    assert close_to(final_weights(job.trained()), reference)
+    assert any(e["kind"] == "inplace_fallback" for i in survivors for e in job.kinds(i))
+    for i in survivors:
+        kinds = [e["kind"] for e in job.kinds(i)]
+        assert kinds.count("workers_started") == 2, kinds
+        done = [e for e in job.kinds(i) if e["kind"] == "job_finished"]
+        assert done and done[0]["fields"]["restarts"] == 1  # one failure, one restart

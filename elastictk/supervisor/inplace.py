@@ -211,6 +211,13 @@ class InPlaceRound:
         results = self.group.results
         if any(r.exitcode == 0 for r in results.values()):
             return False  # the job is finishing; a lone replacement would wait for the others
+        try:
+            self.store.add(GEN_COUNTER, 0)
+        except StoreError as e:
+            # The in-place store died with its host's agent (the likely cause of these
+            # failures): nobody can re-form in place. Restart-all decides, charging once.
+            self.emit("inplace_fallback", reason=f"the in-place store is unreachable: {e}")
+            return False
         first = min(failed, key=lambda r: r.ended_at)
         for r in failed:
             self.emit("worker_failed", rank=r.rank, local_rank=r.local_rank,
@@ -231,7 +238,11 @@ class InPlaceRound:
             self.emit("inplace_fallback", reason=f"cannot start a replacement: {e}")
             return False
         with self._lock:
-            self.gen = self.pending = self._next(decision.restart_count, first.describe())
+            try:
+                self.gen = self.pending = self._next(decision.restart_count, first.describe())
+            except StoreError as e:  # lost since the check above: restart on this charge
+                self.emit("inplace_fallback", reason=f"the in-place store is unreachable: {e}")
+                return False
             self._pending_kind = "inplace_recovered"
             self._ready.clear()
             self._errors.clear()

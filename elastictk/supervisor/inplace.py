@@ -195,6 +195,10 @@ class InPlaceRound:
     def on_failures(self, failed: list[WorkerResult]) -> bool:
         """Replace ``failed`` in place; False when the job must take the restart-all path
         instead (a worker already finished, the budget is spent, a replacement cannot start)."""
+        if self.pending is not None and self._formed(self.pending):
+            # The generation formed before these failures (the monitor had not yet seen the
+            # watcher's wake-up): they are new failures, charged and replaced as such.
+            self._complete_pending()
         if self.pending is not None:
             # A failure while the last recovery is still forming: the workers are not
             # re-forming (a plain script exits on a peer's death) or keep failing. Restart
@@ -266,17 +270,30 @@ class InPlaceRound:
                 # node is gone and the membership watch will say so within error_grace.
                 self._begin_deadline(max(self.reform_timeout, self.error_grace))
         if self._ready.is_set() and self.pending is not None:
-            self.emit(self._pending_kind, generation=self.pending, pids=self.group.pids(),
-                      world_size=self.world_size,
-                      took_ms=round((time.monotonic() - self._recovery_started) * 1000, 1))
-            with self._lock:
-                self.deadline = self.pending = None
-                self._ready.clear()
+            self._complete_pending()
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.emit("inplace_fallback", reason=f"generation {self.gen} not ready within "
                       f"{self.reform_timeout:g}s")
             return True
         return False
+
+    def _formed(self, g: int) -> bool:
+        """Whether generation ``g`` is ready, asking the store itself: the watcher's event may
+        lag the workers by a wake-up."""
+        if self._ready.is_set():
+            return True
+        try:
+            return self.store.try_get(ready_key(g)) is not None
+        except StoreError:
+            return False
+
+    def _complete_pending(self) -> None:
+        self.emit(self._pending_kind, generation=self.pending, pids=self.group.pids(),
+                  world_size=self.world_size,
+                  took_ms=round((time.monotonic() - self._recovery_started) * 1000, 1))
+        with self._lock:
+            self.deadline = self.pending = None
+            self._ready.clear()
 
     def fallback_decision(self) -> Decision:
         """What restart-all does now: the charge already made for this recovery, or (errors

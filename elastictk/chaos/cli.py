@@ -190,6 +190,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_nodes(ns, launcher)
         if ns.nodes > 1 and not any(a.split("=")[0] == "--nnodes" for a in launcher):
             launcher = ["--nnodes", str(ns.nodes), *launcher]
+        if ns.nodes > 1 and not any(a.split("=")[0] in ("--rdzv-backend", "--rdzv_backend") for a in launcher):
+            launcher = ["--rdzv-backend", "c10d", *launcher]
         try:
             extra = ["--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "chaos"] if ns.nodes > 1 else []
             config = run_args.parse_args([*launcher, *extra, *command])

@@ -86,10 +86,9 @@ class Cluster:
             self.spawn(i)
 
     def argv(self, node: int, events: Path) -> list[str]:
-        """Node ``node``'s ``python -m elastictk.run`` command line."""
+        """Node ``node``'s ``python -m elastictk.run`` command line (the flags name the backend)."""
         logs = self.out / f"{self.tag}-logs" / f"node{node}"
-        return [sys.executable, "-m", "elastictk.run", *self.flags, "--rdzv-backend", self.backend,
-                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
+        return [sys.executable, "-m", "elastictk.run", *self.flags, "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
                 "--event-log", str(events), "--log-dir", str(logs), *self.command]
 
     def spawn(self, node: int) -> Incarnation:

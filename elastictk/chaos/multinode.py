@@ -62,10 +62,16 @@ def workers_by_rank(events: Sequence[Any], nproc: int) -> dict[int, tuple[int, i
     return out
 
 
-def full_size_at(events: Sequence[Any], world: int) -> Optional[float]:
-    """When workers first ran on every node (a ``workers_started`` of the full world size)."""
-    return next((e.mono for e in events if e.kind == "workers_started"
-                 and int(e.fields.get("world_size", 0)) == world), None)
+def full_size_at(events: Sequence[Any], world: int, nodes: int) -> Optional[float]:
+    """When workers first ran on every node: the moment the last of ``nodes`` nodes logged a
+    ``workers_started`` of the full world size (tagged events, by time)."""
+    seen: set[Any] = set()
+    for e in events:
+        if e.kind == "workers_started" and int(e.fields.get("world_size", 0)) == world:
+            seen.add(e.fields.get("node"))
+            if len(seen) >= nodes:
+                return float(e.mono)
+    return None
 
 
 def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
@@ -104,7 +110,7 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
                 break
             _refresh(rec, cluster, fault_log)
             if rec.clock is None:
-                rec.clock = full_size_at(rec.events, nodes * nproc)
+                rec.clock = full_size_at(rec.events, nodes * nproc, nodes)
                 if rec.clock is None and now - rec.started > FULL_SIZE_WAIT:
                     rec.clock = now
             while outside and rec.clock is not None and now - rec.clock >= float(outside[0][1].at_s or 0):

@@ -31,6 +31,19 @@ def _restart_count_before(rec: RunRecord, t: float) -> int:
     return max(found, default=0)
 
 
+def _members_at(rec: RunRecord, t: float) -> list[int]:
+    """The nodes whose workers were running at ``t`` (started, not stopped since)."""
+    running: dict[int, bool] = {}
+    for e in rec.events:
+        if e.mono > t:
+            break
+        if e.kind == "workers_started":
+            running[e.fields.get("node")] = True
+        elif e.kind in ("workers_stopped", "job_finished", "job_failed"):
+            running[e.fields.get("node")] = False
+    return sorted(n for n, up in running.items() if up)
+
+
 def node_fault(fault: Any, inj: Injection, rec: RunRecord, shape: Shape) -> dict[str, Any]:
     """The row fields of a fired ``kill-agent`` or ``store-outage`` (see the module)."""
     at = inj.mono
@@ -95,6 +108,15 @@ def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, 
             if r.detected_after is None:
                 bad.append(f"#{r.index} never seen by a survivor")
                 continue
+            # Every member must notice: by reacting, or by finishing before anyone reacted.
+            first = at + r.detected_after
+            deaf = [n for n in _members_at(rec, at) if n != int(r.target.split(":")[1])
+                    and not any(e.fields.get("node") == n and e.mono >= at and (
+                        e.kind in REACTIONS or (e.kind == "job_finished" and e.mono <= first))
+                        for e in rec.events)]
+            if deaf:
+                bad.append(f"#{r.index}: node(s) {', '.join(map(str, deaf))} never noticed the loss "
+                           "(no membership change, failure or finish after it)")
             before = _restart_count_before(rec, at)
             back = _after(rec, ("workers_started",), at + r.detected_after)
             if r.outcome == "membership change" and back is not None and \
@@ -106,7 +128,7 @@ def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, 
                 bad.append(f"#{r.index}: the job re-formed at world {back.fields.get('world_size')}, "
                            f"not below {world}")
         paths = ", ".join(f"#{r.index} {r.outcome}" for r in kills)
-        out.append(("each lost node is seen by the survivors, who re-form without it", not bad,
+        out.append(("each lost node is seen by every survivor, and they re-form without it", not bad,
                     "; ".join(bad) or paths))
     outages = [r for r in rows if r.fired and r.kind.startswith("store-outage")]
     short = [r for r in outages if not long_outage(float(r.kind.split(":", 1)[1]), shape)]

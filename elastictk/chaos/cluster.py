@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics.events import read_events
 from ..store import free_port
+from ..store.etcd_server import _die_with_parent
 
 BACKENDS = ("c10d", "etcd")
 
@@ -97,8 +98,11 @@ class Cluster:
         suffix = "" if number == 0 else f".{number}"
         events = self.out / f"{self.tag}-node{node}{suffix}-events.jsonl"
         events.unlink(missing_ok=True)
+        # The agents die with this process (PR_SET_PDEATHSIG), as workers die with their agent:
+        # a chaos run killed by its caller leaves no cluster behind.
         proc = subprocess.Popen(self.argv(node, events), env=self.env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=_die_with_parent(os.getpid()))
         inc = Incarnation(node, number, proc, events, time.monotonic())
         inc.readers = [threading.Thread(target=self._read, args=(proc.stdout, inc.out, True), daemon=True),
                        threading.Thread(target=self._read, args=(proc.stderr, inc.err, False), daemon=True)]

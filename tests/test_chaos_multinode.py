@@ -50,6 +50,21 @@ def test_a_lost_agent_is_a_membership_change_and_the_survivors_finish(tmp_path: 
     assert d["multinode"] == {"nodes": 3, "backend": "c10d", "rejoin_s": None}
 
 
+def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path: Path) -> None:
+    # Under c10d the store lives in node 0's agent: the outage is a SIGSTOP of that agent.
+    plan = planned(tmp_path, Fault.of("store-outage:1", "store", at_s=1), Fault.of("kill-agent", "node:1", at_s=3))
+    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--rejoin", "1", "--nproc-per-node", "1",
+              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "60", "--step-time", "0.1")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert [f["outcome"] for f in d["faults"]] == ["ridden through", "membership change"], d["faults"]
+    assert d["totals"]["restarts"] == 0 and d["totals"]["exit_code"] == 0
+    assert [(a["node"], a["agent"], a["killed"]) for a in d["agents"]] == [(0, 0, False), (1, 0, True), (1, 1, False)]
+    assert [x["node"] for x in d["rejoins"]] == [1]
+    png = (tmp_path / "r" / "chaos-timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_a_lost_agent_of_a_gloo_job_over_the_budget_fails_with_the_budget_message(tmp_path: Path) -> None:
     # The survivors' workers break in all_reduce before the heartbeat says the node is gone: a
     # failure, charged to --max-restarts 0, so the job must fail naming the spent budget.

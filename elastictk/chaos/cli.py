@@ -156,7 +156,7 @@ class Progress:
         self.last = ""
 
     def __call__(self, rec: RunRecord) -> None:
-        restarts = sum(1 for e in rec.events if e.kind == "restart")
+        restarts = report.restarts_of(rec)
         step = max((s for _, s in rec.steps), default=0)
         fired = len({i.fault for i in rec.injections})
         line = (f"{PROG}: {time.monotonic() - rec.started:5.1f}s  step {step}  faults {fired}/"

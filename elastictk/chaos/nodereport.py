@@ -62,7 +62,10 @@ def node_fault(fault: Any, inj: Injection, rec: RunRecord, shape: Shape) -> dict
         else:
             row["outcome"] = seen.kind.replace("_", " ")
     else:
-        seen = _after(rec, REACTIONS + ("restart",), at, at + float(fault.param) + shape.heartbeat_timeout)
+        # Reactions after another fault hit (within the window) are that fault's doing.
+        until = min([at + float(fault.param) + shape.heartbeat_timeout] +
+                    [i.mono for i in rec.injections if i.fault != inj.fault and i.mono > at])
+        seen = _after(rec, REACTIONS + ("restart",), at, until)
         if seen is None:
             row["outcome"] = "ridden through"
         else:
@@ -92,7 +95,8 @@ def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, 
         ok = exp.names.lower() in rec.stderr.lower()
         out.append((f"fails naming {'the spent budget' if exp.names != 'store' else 'the lost store'}", ok,
                     f"stderr names {exp.names!r}" if ok else f"no {exp.names!r} in any agent's stderr"))
-    longs = sum(1 for r in rows if r.fired and r.kind.startswith("store-outage") and r.outcome != "ridden through")
+    longs = sum(1 for r in rows if r.fired and r.kind.startswith("store-outage")
+                and long_outage(float(r.kind.split(":", 1)[1]), shape))
     if exp.finish:
         ok, want = needed <= restarts <= needed + longs, f"{needed}" + (f" to {needed + longs}" if longs else "")
     elif exp.names == "restart budget spent":

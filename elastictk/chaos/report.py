@@ -141,6 +141,7 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "nodes": rec.nodes,
         "backend": rec.backend,
         "agents": rec.agents,
+        "faults_clock_s": None if rec.clock is None else rec.clock - rec.started,
     }
 
 
@@ -269,7 +270,9 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
     if tot.get("nodes", 1) > 1:
         out.append(f"{tot['nodes']} node(s) over {tot['backend']}: " + "; ".join(
             f"node {a['node']}" + (f" (rejoined, agent {a['agent']})" if a["agent"] else "") +
-            f" pid {a['pid']} " + ("killed" if a["killed"] else f"exit {a['exit']}") for a in tot["agents"]))
+            f" pid {a['pid']} " + ("killed" if a["killed"] else f"exit {a['exit']}") for a in tot["agents"])
+            + ("" if tot["faults_clock_s"] is None else
+               f"; planned times count from {tot['faults_clock_s']:.1f}s, when every node ran workers"))
     out.append("")
     out += [f"  [{'ok' if c.ok else 'BROKEN'}] {c.name}: {c.detail}" for c in checks]
     return "\n".join(out)

@@ -124,25 +124,29 @@ def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
     for n in range(nodes):
         c.rect(left, y(n), width - 10, y(n) + row_h, GREY)
         c.text(6, y(n) + 6, f"N{n}")
-    for inj in rec.injections:  # under the runs: an outage is a stretch, not a moment
-        if inj.kind.startswith("store-outage"):
-            end = inj.mono + float(inj.kind.split(":", 1)[1])
-            c.rect(x(inj.mono), top - 4, x(end), y(nodes) - gap + 4, ORANGE)
     since: dict[int, float] = {}
     stops = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed", "timer_expired",
              "membership_changed", "store_lost")
-    for e in rec.events:
-        n = e.fields.get("node")
-        if n is None or n >= nodes:
+    marks = [(e.mono, e.fields.get("node"), e.kind) for e in rec.events]
+    # A killed agent logs nothing more: its workers stop at the kill.
+    marks += [(i.mono, int(i.target.split(":")[1]), "killed") for i in rec.injections if i.kind == "kill-agent"]
+    for t, n, kind in sorted(marks, key=lambda m: m[0]):
+        if n is None or not 0 <= n < nodes:
             continue
-        if e.kind == "workers_started":
-            since.setdefault(n, e.mono)
-        elif e.kind in stops and n in since:
-            c.rect(x(since.pop(n)), y(n) + 3, x(e.mono), y(n) + row_h - 3, GREEN)
-        if e.kind == "restart":
-            c.rect(x(e.mono) - 1, y(n) - 3, x(e.mono) + 2, y(n) + row_h + 3, BLUE)
+        if kind == "workers_started":
+            since.setdefault(n, t)
+        elif (kind in stops or kind == "killed") and n in since:
+            c.rect(x(since.pop(n)), y(n) + 3, x(t), y(n) + row_h - 3, GREEN)
+        if kind == "restart":
+            c.rect(x(t) - 1, y(n) - 3, x(t) + 2, y(n) + row_h + 3, BLUE)
     for n, t in since.items():
         c.rect(x(t), y(n) + 3, x(rec.ended), y(n) + row_h - 3, GREEN)
+    for inj in rec.injections:  # an outage is a stretch, not a moment: a band along every row
+        if inj.kind.startswith("store-outage"):
+            end = inj.mono + float(inj.kind.split(":", 1)[1])
+            for n in range(nodes):
+                c.rect(x(inj.mono), y(n), x(end), y(n) + 3, ORANGE)
+                c.rect(x(inj.mono), y(n) + row_h - 3, x(end), y(n) + row_h, ORANGE)
     for inj in rec.injections:
         if inj.kind.startswith("store-outage"):
             continue

@@ -71,7 +71,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--kinds", "explode", *JOB, *CMD], "unknown fault kind 'explode'"),
         ([*JOB], "no training command"),
         (["--at-steps", "9", *JOB, *CMD], "--at-steps '9': write LO:HI"),
-        (["--nnodes", "1:2", "--nproc-per-node", "2", *CMD], "runs one node"),
+        (["--nnodes", "1:2", "--nproc-per-node", "2", *CMD], "pass --nodes N for a job of several nodes"),
         (["--replay", "nope.json"], "cannot read the chaos report"),
     ]:
         r = chaos(tmp_path, *args, timeout=60)
@@ -81,7 +81,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     plan = plan_of([Fault.of("kill-agent", "node:0", at_s=1)])
     plan.save(tmp_path / "p.json")
     r = chaos(tmp_path, "--plan", "p.json", *JOB, *CMD, timeout=60)
-    assert r.returncode == 2 and "kill-agent needs a job of several nodes" in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "kill-agent needs a job of several nodes; pass --nodes N" in lines[0]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

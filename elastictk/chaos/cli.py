@@ -6,6 +6,13 @@ a report, that restart semantics held.
     elastictk-chaos --seed 7 --faults 2 --at-steps 3:15 --standalone --nproc-per-node 2 \\
         --max-restarts 3 -- examples/train.py --steps 20 --ckpt-dir /tmp/ck
 
+Several nodes: ``--nodes 3`` starts three agents on loopback over the rendezvous backend given
+with ``--rdzv-backend`` (c10d, the default, hosted by node 0's agent; or etcd, a server of the
+run's own), which makes ``kill-agent on node:N`` and ``store-outage:<s> on store`` possible::
+
+    elastictk-chaos --nodes 3 --nnodes 2:3 --rdzv-backend etcd --at-seconds 4:8 \\
+        --kinds kill-agent --faults 1 --nproc-per-node 1 -- examples/train.py --ckpt-dir {run_dir}
+
 Flags before ``--`` that are not elastictk-chaos's own go to ``elastictk-run`` unchanged; after
 ``--`` comes the training command, where ``{run_dir}`` stands for a directory of each run's own
 (so a fault-free comparison run never resumes from the chaos run's checkpoints). Exit codes: 0 when every invariant held, 1 when one broke
@@ -22,11 +29,16 @@ from typing import Optional, Sequence
 
 from ..faults import FaultPlan, PlanError, generate_plan
 from . import report
+from .cluster import BACKENDS
+from .expect import Shape
+from .multinode import run_nodes
 from .runner import OUTSIDE_SIGNALS, RunRecord, run_job
 from .timeline import draw
 
 PROG = "elastictk-chaos"
-UNSUPPORTED = {"kill-agent": "needs a job of several nodes", "store-outage": "needs a job of several nodes"}
+NODE_KINDS = ("kill-agent", "store-outage")
+OWN_FLAGS = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--event-log",
+             "--log-dir", "--log_dir")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=int, default=2, help="how many faults to generate (default 2)")
     p.add_argument("--kinds", default=None, help="comma-separated kinds to draw from, e.g. sigkill,exception,exit:3")
     p.add_argument("--at-steps", default="2:10", help="LO:HI steps the generated faults fall in (default 2:10)")
+    p.add_argument("--at-seconds", default=None, help="LO:HI seconds after the start the generated faults "
+                   "fall in, instead of steps (kill-agent and store-outage need it)")
+    p.add_argument("--nodes", type=int, default=1, help="start this many agents on loopback, one job of "
+                   "several nodes (default 1); --nnodes MIN:MAX still goes to each agent")
+    p.add_argument("--rejoin", type=float, default=None, metavar="S", help="with --nodes: start a killed "
+                   "node's agent again S seconds after the kill, so the job scales back up")
+    p.add_argument("--kill-store-host", action="store_true", help="with --nodes and c10d: let generated "
+                   "kill-agent faults hit node 0, which hosts the store (the job then fails)")
     p.add_argument("--never", default="", help="comma-separated ranks never to touch")
     p.add_argument("--plan", default=None, help="a fault plan JSON file instead of generating one")
     p.add_argument("--replay", default=None, help="rerun exactly the plan and command of a chaos-report.json")
@@ -67,36 +87,64 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]
     return ns, launcher, command
 
 
-def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float]) -> FaultPlan:
+def _window(text: str, flag: str, typ: type) -> tuple:  # type: ignore[type-arg]
+    lo, sep, hi = text.partition(":")
+    try:
+        window = (typ(lo), typ(hi))
+    except ValueError:
+        window = None
+    if not sep or window is None:
+        raise Usage(f"{flag} {text!r}: write LO:HI, e.g. {flag} {'2:10' if typ is int else '3:8'}")
+    return window
+
+
+def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float], nodes: int = 1,
+               backend: str = "c10d") -> FaultPlan:
     if ns.plan is not None:
         return FaultPlan.load(ns.plan)
-    lo, sep, hi = ns.at_steps.partition(":")
-    try:
-        window = (int(lo), int(hi))
-    except ValueError:
-        raise Usage(f"--at-steps {ns.at_steps!r}: write LO:HI, e.g. --at-steps 2:10") from None
-    if not sep:
-        raise Usage(f"--at-steps {ns.at_steps!r}: write LO:HI, e.g. --at-steps 2:10")
+    when: dict = {"seconds": _window(ns.at_seconds, "--at-seconds", float)} if ns.at_seconds else \
+        {"steps": _window(ns.at_steps, "--at-steps", int)}
     kinds = [k.strip() for k in ns.kinds.split(",") if k.strip()] if ns.kinds else None
     try:
         never = tuple(int(r) for r in ns.never.split(",") if r.strip())
     except ValueError:
         raise Usage(f"--never {ns.never!r}: write rank numbers, e.g. --never 0,1") from None
-    return generate_plan(ns.seed, ns.faults, world, kinds=kinds, steps=window, never=never,
-                         watchdog_s=watchdog)
+    # Losing node 0 under c10d loses the store and ends the job: spare it unless asked.
+    spare = (0,) if nodes > 1 and backend == "c10d" and not ns.kill_store_host else ()
+    return generate_plan(ns.seed, ns.faults, world, kinds=kinds, never=never, watchdog_s=watchdog,
+                         nodes=nodes, spare_nodes=spare, **when)
 
 
-def check_supported(plan: FaultPlan, world: int) -> None:
+def check_supported(plan: FaultPlan, world: int, nodes: int = 1) -> None:
     for i, f in enumerate(plan.faults):
-        if f.kind in UNSUPPORTED:
-            raise Usage(f"fault #{i} ({f.describe()}): {f.kind} {UNSUPPORTED[f.kind]}, and "
-                        f"{PROG} runs one node; use the other kinds")
-        if f.at_s is not None and f.kind not in OUTSIDE_SIGNALS:
+        if f.kind in NODE_KINDS and nodes < 2:
+            raise Usage(f"fault #{i} ({f.describe()}): {f.kind} needs a job of several nodes; pass "
+                        f"--nodes N (and --nnodes MIN:MAX) to run one, or use the other kinds")
+        if f.at_s is not None and f.kind not in OUTSIDE_SIGNALS and f.kind not in NODE_KINDS:
             raise Usage(f"fault #{i} ({f.describe()}): {f.spec} at a time is not injected from "
                         "outside; give it at_step instead")
         if f.target.kind == "rank" and (f.target.index or 0) >= world:
             raise Usage(f"fault #{i} ({f.describe()}): the job has ranks 0..{world - 1}; "
                         "retarget it or raise --nproc-per-node")
+        if f.target.kind == "node" and (f.target.index or 0) >= nodes:
+            raise Usage(f"fault #{i} ({f.describe()}): the job has nodes 0..{nodes - 1}; "
+                        "retarget it or raise --nodes")
+
+
+def check_nodes(ns: argparse.Namespace, launcher: list[str]) -> None:
+    """The multi-node flags that make sense together, one line for those that do not."""
+    if ns.nodes < 1:
+        raise Usage(f"--nodes {ns.nodes}: give at least 1")
+    if ns.nodes == 1:
+        if ns.rejoin is not None or ns.kill_store_host:
+            raise Usage("--rejoin and --kill-store-host need several nodes: pass --nodes N")
+        return
+    if ns.rejoin is not None and not ns.rejoin >= 0:
+        raise Usage(f"--rejoin {ns.rejoin}: give seconds >= 0")
+    mine = [a.split("=")[0] for a in launcher if a.split("=")[0] in OWN_FLAGS]
+    if mine:
+        raise Usage(f"{mine[0]}: with --nodes, {PROG} starts the store and the agents itself "
+                    "(endpoint, job id, event logs); leave it out")
 
 
 class Progress:
@@ -108,7 +156,7 @@ class Progress:
         self.last = ""
 
     def __call__(self, rec: RunRecord) -> None:
-        restarts = sum(1 for e in rec.events if e.kind == "restart")
+        restarts = report.restarts_of(rec)
         step = max((s for _, s in rec.steps), default=0)
         fired = len({i.fault for i in rec.injections})
         line = (f"{PROG}: {time.monotonic() - rec.started:5.1f}s  step {step}  faults {fired}/"
@@ -136,17 +184,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if replay is not None:
             plan, rlaunch, rcommand = replay
             launcher, command = launcher or rlaunch, command or rcommand
+            multi = report.replay_multinode(ns.replay)
+            if multi is not None and ns.nodes == 1:
+                ns.nodes, ns.rejoin = int(multi.get("nodes", 1)), multi.get("rejoin_s")
+        check_nodes(ns, launcher)
+        if ns.nodes > 1 and not any(a.split("=")[0] == "--nnodes" for a in launcher):
+            launcher = ["--nnodes", str(ns.nodes), *launcher]
+        if ns.nodes > 1 and not any(a.split("=")[0] in ("--rdzv-backend", "--rdzv_backend") for a in launcher):
+            launcher = ["--rdzv-backend", "c10d", *launcher]
         try:
-            config = run_args.parse_args([*launcher, *command])
+            extra = ["--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "chaos"] if ns.nodes > 1 else []
+            config = run_args.parse_args([*launcher, *extra, *command])
         except UsageError as e:
             raise Usage(f"{e} (a flag for elastictk-run)") from None
-        if config.max_nodes != 1:
-            raise Usage(f"--nnodes {config.min_nodes}:{config.max_nodes}: {PROG} runs one node; "
-                        "use --standalone or --nnodes 1")
-        world = int(config.nproc_per_node)
+        if ns.nodes == 1 and config.max_nodes != 1:
+            raise Usage(f"--nnodes {config.min_nodes}:{config.max_nodes}: {PROG} runs one node unless "
+                        "told otherwise; pass --nodes N for a job of several nodes, or --nnodes 1")
+        if ns.nodes > 1 and not config.min_nodes <= ns.nodes <= config.max_nodes:
+            raise Usage(f"--nodes {ns.nodes} with --nnodes {config.min_nodes}:{config.max_nodes}: start "
+                        "between MIN and MAX nodes")
+        if ns.nodes > 1 and config.rdzv_backend not in BACKENDS:
+            raise Usage(f"--rdzv-backend {config.rdzv_backend}: with --nodes use one of {', '.join(BACKENDS)}")
+        world = int(config.nproc_per_node) * ns.nodes
         if replay is None:
-            plan = build_plan(ns, world, config.collective_timeout)
-        check_supported(plan, world)
+            plan = build_plan(ns, world, config.collective_timeout, ns.nodes, config.rdzv_backend)
+        check_supported(plan, world, ns.nodes)
     except (Usage, PlanError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -156,21 +218,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           file=sys.stderr)
     expect = ns.expect_checksum
     if ns.compare_fault_free:
-        clean = run_job(None, launcher, command, out, timeout=ns.timeout, tag="fault-free")
+        clean = run_job(None, launcher, command, out, timeout=ns.timeout, tag="fault-free") if ns.nodes == 1 \
+            else run_nodes(None, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
+                           nproc=int(config.nproc_per_node), timeout=ns.timeout, tag="fault-free")
         if clean.exit_code != 0 or clean.checksum is None:
             print(f"{PROG}: error: the fault-free run did not finish with a checksum (exit "
                   f"{clean.exit_code}); see {out}/fault-free-logs", file=sys.stderr)
             return 1
         expect = clean.checksum
     prog = Progress(plan, config.max_restarts)
-    rec = run_job(plan, launcher, command, out, timeout=ns.timeout, progress=prog)
+    shape = multi = None
+    if ns.nodes > 1:
+        hb = float(config.rdzv_conf.get("heartbeat_interval", 1.0))
+        shape = Shape(ns.nodes, config.min_nodes, config.rdzv_backend, config.max_restarts,
+                      float(config.rdzv_conf.get("heartbeat_timeout", max(10.0, hb * 3))), ns.rejoin is not None)
+        multi = {"nodes": ns.nodes, "backend": config.rdzv_backend, "rejoin_s": ns.rejoin}
+        rec = run_nodes(plan, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
+                        nproc=int(config.nproc_per_node), timeout=ns.timeout, rejoin_s=ns.rejoin, progress=prog)
+    else:
+        rec = run_job(plan, launcher, command, out, timeout=ns.timeout, progress=prog)
     prog.done()
-    rows = report.fault_rows(plan, rec)
-    checks = report.check(plan, rec, rows, max_restarts=config.max_restarts,
-                          ckpt_every=ns.ckpt_every, expect_checksum=expect)
+    rows = report.fault_rows(plan, rec, shape)
+    checks = report.check(plan, rec, rows, max_restarts=config.max_restarts, ckpt_every=ns.ckpt_every,
+                          expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node))
     tot = report.totals(rec, rows)
     print(report.render(rows, tot, checks))
-    data = report.to_json(plan, rec, rows, checks, launcher, command)
+    data = report.to_json(plan, rec, rows, checks, launcher, command, multi)
     (out / "chaos-report.json").write_text(json.dumps(data, indent=2) + "\n")
     draw(rec, out / "chaos-timeline.png", world)
     (out / "job-stdout.log").write_text(rec.stdout)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..faults import FaultPlan
+from . import nodereport
+from .expect import Shape, expect
 from .runner import RunRecord
 
 SCHEMA = "elastictk.chaos-report/1"
@@ -35,6 +37,7 @@ class FaultRow:
     running_after: Optional[float] = None
     restarts_used: Optional[int] = None
     lost_steps: Optional[int] = None
+    outcome: Optional[str] = None  # multi-node: restart | membership change | ridden through | ...
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,17 @@ class Check:
     detail: str
 
 
-def fault_rows(plan: FaultPlan, rec: RunRecord) -> list[FaultRow]:
+def fault_rows(plan: FaultPlan, rec: RunRecord, shape: Optional[Shape] = None) -> list[FaultRow]:
     rows = []
     for i, f in enumerate(plan.faults):
         inj = next((x for x in rec.injections if x.fault == i), None)
         planned = f"step {f.at_step}" if f.at_step is not None else f"{f.at_s:g}s"
         if inj is None:
             rows.append(FaultRow(i, f.spec, str(f.target), planned, False, plan.needs_restart(f)))
+            continue
+        if f.kind in ("kill-agent", "store-outage") and shape is not None:
+            rows.append(FaultRow(i, f.spec, str(f.target), planned, True,
+                                 **nodereport.node_fault(f, inj, rec, shape)))
             continue
         if not plan.needs_restart(f):  # a straggler: the failures after it are not its doing
             rows.append(FaultRow(i, f.spec, str(f.target), planned, True, False,
@@ -71,8 +78,15 @@ def fault_rows(plan: FaultPlan, rec: RunRecord) -> list[FaultRow]:
             detected_after=None if detected is None else detected - inj.mono,
             running_after=None if running is None else running - inj.mono,
             restarts_used=None if restarted is None else int(restarted.fields.get("restart_count", 0)),
-            lost_steps=lost))
+            lost_steps=lost, outcome=None if shape is None else "restart"))
     return rows
+
+
+def restarts_of(rec: RunRecord) -> int:
+    """Restarts of the job: every agent of a multi-node job logs the same restart, so distinct
+    restart counts are counted, not events."""
+    found = [e.fields.get("restart_count") for e in rec.events if e.kind == "restart"]
+    return len(set(found)) if rec.nodes > 1 else len(found)
 
 
 def _first(rec: RunRecord, kinds: tuple[str, ...], after: float) -> Optional[float]:
@@ -116,7 +130,7 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
     return {
         "wall_s": wall,
         "exit_code": rec.exit_code,
-        "restarts": sum(1 for e in rec.events if e.kind == "restart"),
+        "restarts": restarts_of(rec),
         "faults_fired": sum(1 for r in rows if r.fired),
         "recovery_mean_s": statistics.fmean(recov) if recov else None,
         "recovery_max_s": max(recov) if recov else None,
@@ -124,14 +138,26 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "running_share": min(1.0, running / wall),
         "goodput": min(1.0, running / wall) * kept,
         "checksum": rec.checksum,
+        "nodes": rec.nodes,
+        "backend": rec.backend,
+        "agents": rec.agents,
+        "faults_clock_s": None if rec.clock is None else rec.clock - rec.started,
     }
 
 
 def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts: int,
-          ckpt_every: Optional[int] = None, expect_checksum: Optional[str] = None) -> list[Check]:
+          ckpt_every: Optional[int] = None, expect_checksum: Optional[str] = None,
+          shape: Optional[Shape] = None, nproc: int = 1) -> list[Check]:
     """The invariants; each names what it found when it fails."""
     needed = episodes(rows)
     finished = rec.exit_code == 0
+    if shape is not None and shape.nodes > 1:
+        killed = [int(r.target.split(":")[1]) for r in rows if r.fired and r.kind == "kill-agent"]
+        outages = [float(r.kind.split(":", 1)[1]) for r in rows if r.fired and r.kind.startswith("store-outage")]
+        exp = expect(shape, needed, killed, outages)
+        out = [Check(*c) for c in nodereport.checks(rows, rec, shape, exp, nproc, restarts_of(rec), needed)]
+        out.insert(min(2, len(out)), _detected(rows))
+        return out + _common(rec, rows, finished, ckpt_every, expect_checksum)
     should = needed <= max_restarts
     out = [Check("finishes iff faults <= max-restarts", finished == should,
                  f"{needed} failure(s) needed a restart, --max-restarts {max_restarts}: the job "
@@ -141,13 +167,23 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
         ok = "restart budget spent" in rec.stderr
         out.append(Check("fails with the budget message", ok,
                          "stderr names the spent budget" if ok else "no 'restart budget spent' in stderr"))
-    missed = [f"#{r.index} {r.kind}" for r in rows if r.fired and r.needs_restart and r.detected_after is None]
-    out.append(Check("every fault that needed a restart was detected", not missed,
-                     ", ".join(missed) + " never seen by the agent" if missed else "all seen"))
-    restarts = sum(1 for e in rec.events if e.kind == "restart")
+    out.append(_detected(rows))
+    restarts = restarts_of(rec)
     want = needed if should else max_restarts
     out.append(Check("restarts counted == failures that needed one", restarts == want,
                      f"{restarts} restart(s) for {want} expected"))
+    return out + _common(rec, rows, finished, ckpt_every, expect_checksum)
+
+
+def _detected(rows: list[FaultRow]) -> Check:
+    missed = [f"#{r.index} {r.kind}" for r in rows if r.fired and r.needs_restart and r.detected_after is None]
+    return Check("every fault that needed a restart was detected", not missed,
+                 ", ".join(missed) + " never seen by the agent" if missed else "all seen")
+
+
+def _common(rec: RunRecord, rows: list[FaultRow], finished: bool, ckpt_every: Optional[int],
+            expect_checksum: Optional[str]) -> list[Check]:
+    out: list[Check] = []
     out.append(Check("no process of the job outlives the run", not rec.leaked_processes,
                      "; ".join(rec.leaked_processes) or f"{len(rec.pids)} process(es) checked"))
     out.append(Check("no leaked shared memory or listening port", not rec.leaked_shm and not rec.leaked_ports,
@@ -163,13 +199,32 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
 
 
 def to_json(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], checks: list[Check],
-            launcher_flags: list[str], command: list[str]) -> dict[str, Any]:
-    return {
+            launcher_flags: list[str], command: list[str],
+            multinode: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The report as JSON; ``multinode`` (nodes, backend, rejoin_s) is what ``--replay`` needs
+    to start the same cluster again, and ``agents`` what each agent process did."""
+    d = {
         "schema": SCHEMA, "plan": plan.to_json(), "launcher_flags": launcher_flags,
         "command": command, "faults": [r.__dict__ for r in rows],
         "injections": [i.to_json() for i in rec.injections],
         "totals": totals(rec, rows), "checks": [c.__dict__ for c in checks],
     }
+    if multinode is not None:
+        d["multinode"] = multinode
+        d["agents"] = rec.agents
+        d["rejoins"] = [{"at": t - rec.started, "node": n} for t, n in rec.rejoins]
+    return d
+
+
+def replay_multinode(path: str) -> Optional[dict[str, Any]]:
+    """The multi-node options of an earlier report, or None for a single-node one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    m = d.get("multinode") if isinstance(d, dict) else None
+    return m if isinstance(m, dict) else None
 
 
 def load_replay(path: str) -> tuple[FaultPlan, list[str], list[str]]:
@@ -195,12 +250,15 @@ def _s(x: Optional[float]) -> str:
 
 
 def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> str:
-    head = ("#", "kind", "target", "planned", "injected at", "detected after", "running again after",
-            "restarts used", "steps lost")
+    head: tuple[str, ...] = ("#", "kind", "target", "planned", "injected at", "detected after",
+                             "running again after", "restarts used", "steps lost")
     body = [(str(r.index), r.kind, r.target, r.planned,
              _s(r.injected_at) if r.fired else "never fired", _s(r.detected_after),
              _s(r.running_after), "-" if r.restarts_used is None else str(r.restarts_used),
              "-" if r.lost_steps is None else str(r.lost_steps)) for r in rows]
+    if any(r.outcome is not None for r in rows):
+        head += ("outcome",)
+        body = [b + ((r.outcome or "-") if r.fired else "-",) for b, r in zip(body, rows)]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [line(head), line(tuple("-" * w for w in widths)), *(line(b) for b in body), ""]
@@ -209,6 +267,12 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
                f"{tot['restarts']} restart(s); recovery mean {_s(mean)}, max {_s(mx)}; "
                f"goodput {tot['goodput']:.2f} (workers running {tot['running_share']:.0%} of the time, "
                f"{tot['steps_lost']} step(s) redone)" + (f"; checksum {tot['checksum']}" if tot["checksum"] else ""))
+    if tot.get("nodes", 1) > 1:
+        out.append(f"{tot['nodes']} node(s) over {tot['backend']}: " + "; ".join(
+            f"node {a['node']}" + (f" (rejoined, agent {a['agent']})" if a["agent"] else "") +
+            f" pid {a['pid']} " + ("killed" if a["killed"] else f"exit {a['exit']}") for a in tot["agents"])
+            + ("" if tot["faults_clock_s"] is None else
+               f"; planned times count from {tot['faults_clock_s']:.1f}s, when every node ran workers"))
     out.append("")
     out += [f"  [{'ok' if c.ok else 'BROKEN'}] {c.name}: {c.detail}" for c in checks]
     return "\n".join(out)

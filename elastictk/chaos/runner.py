@@ -65,6 +65,15 @@ class RunRecord:
     leaked_processes: list[str] = field(default_factory=list)
     leaked_shm: list[str] = field(default_factory=list)
     leaked_ports: list[str] = field(default_factory=list)
+    # multi-node runs (see .multinode): how many agents, over which store; every agent process
+    # ({node, agent, pid, exit, killed}); (mono, node) of each rejoin
+    nodes: int = 1
+    backend: str = ""
+    store_endpoint: str = ""
+    agents: list[dict[str, Any]] = field(default_factory=list)
+    rejoins: list[tuple[float, int]] = field(default_factory=list)
+    finished_somewhere: bool = False
+    clock: Optional[float] = None  # multi-node: when time faults start counting (full size)
 
     @property
     def checksum(self) -> Optional[str]:
@@ -91,8 +100,7 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     run_dir = out_dir / f"{tag}-run"  # per-run paths (checkpoints) via "{run_dir}" in the command
     command = [a.replace("{run_dir}", str(run_dir)) for a in command]
     if plan is not None:
-        plan_path = plan.save(out_dir / f"{tag}-plan.json")
-        env.update(worker_env(plan_path, log_path=fault_log))
+        env.update(fault_env(plan, out_dir, tag, fault_log))
     argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")
     shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=argv, started=time.monotonic())
@@ -147,6 +155,25 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     return rec
 
 
+def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path) -> dict[str, str]:
+    """The workers' environment that arms the plan's step faults (saved next to the report)."""
+    return worker_env(plan.save(out_dir / f"{tag}-plan.json"), log_path=fault_log)
+
+
+def read_fault_log(fault_log: Path) -> list[Injection]:
+    """The step faults the workers fired, from their fault log."""
+    out: list[Injection] = []
+    if fault_log.exists():
+        for line in fault_log.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            out.append(Injection(int(d["fault"]), str(d["kind"]), str(d["target"]),
+                                 float(d["monotonic"]), int(d["pid"]), d.get("step")))
+    return out
+
+
 def _read(stream: Any, sink: list[str], rec: Optional[RunRecord]) -> None:
     for line in iter(stream.readline, ""):
         sink.append(line)
@@ -163,15 +190,7 @@ def _refresh(rec: RunRecord, events: Path, fault_log: Path, launcher: int) -> No
         for e in rec.events:
             if e.kind == "workers_started":
                 rec.pids.update(int(p) for p in (e.fields.get("pids") or {}).values())
-    inside = [i for i in rec.injections if i.how == "outside"]
-    if fault_log.exists():
-        for line in fault_log.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            inside.append(Injection(int(d["fault"]), str(d["kind"]), str(d["target"]),
-                                    float(d["monotonic"]), int(d["pid"]), d.get("step")))
+    inside = [i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log)
     rec.injections = sorted(inside, key=lambda i: i.mono)
 
 

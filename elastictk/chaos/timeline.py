@@ -24,8 +24,9 @@ _FONT = {  # 3x5 glyphs, rows top to bottom
     "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
     "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
     "R": ("110", "101", "110", "101", "101"), "s": ("000", "011", "110", "011", "110"),
-    ".": ("000", "000", "000", "000", "010"),
+    ".": ("000", "000", "000", "000", "010"), "N": ("101", "111", "111", "111", "101"),
 }
+ORANGE = (240, 150, 30)
 
 
 class Canvas:
@@ -64,7 +65,11 @@ class Canvas:
 
 
 def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
-    """Write the timeline of ``rec`` (a job of ``world`` ranks on one node) to ``path``."""
+    """Write the timeline of ``rec`` (a job of ``world`` ranks on one node) to ``path``; a
+    multi-node run gets a row per node instead (``N0``, ``N1``...), orange where the store was
+    out."""
+    if rec.nodes > 1:
+        return _draw_nodes(rec, path, world // rec.nodes, width)
     left, top, row_h, gap = 44, 12, 22, 6
     height = top + world * (row_h + gap) + 30
     c = Canvas(width, height)
@@ -94,7 +99,12 @@ def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
         for r in hit:
             if r < world:
                 c.rect(x(inj.mono) - 2, y(r) - 3, x(inj.mono) + 3, y(r) + row_h + 3, RED)
-    base = y(world) + 2
+    _axis(c, rec, x, y(world) + 2, left, width, span)
+    path.write_bytes(c.png())
+    return path
+
+
+def _axis(c: Canvas, rec: RunRecord, x, base: int, left: int, width: int, span: float) -> None:  # type: ignore[no-untyped-def]
     c.rect(left, base, width - 10, base + 1, BLACK)
     step = max(1, int(span / 8) or 1)
     t = 0
@@ -102,5 +112,48 @@ def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
         c.rect(x(rec.started + t), base, x(rec.started + t) + 1, base + 5, BLACK)
         c.text(x(rec.started + t) - 4, base + 8, f"{t}s")
         t += step
+
+
+def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
+    left, top, row_h, gap = 44, 12, 22, 6
+    nodes = rec.nodes
+    c = Canvas(width, top + nodes * (row_h + gap) + 30)
+    span = max(1e-6, rec.ended - rec.started)
+    x = lambda t: left + int((t - rec.started) / span * (width - left - 10))  # noqa: E731
+    y = lambda r: top + r * (row_h + gap)  # noqa: E731
+    for n in range(nodes):
+        c.rect(left, y(n), width - 10, y(n) + row_h, GREY)
+        c.text(6, y(n) + 6, f"N{n}")
+    since: dict[int, float] = {}
+    stops = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed", "timer_expired",
+             "membership_changed", "store_lost")
+    marks = [(e.mono, e.fields.get("node"), e.kind) for e in rec.events]
+    # A killed agent logs nothing more: its workers stop at the kill.
+    marks += [(i.mono, int(i.target.split(":")[1]), "killed") for i in rec.injections if i.kind == "kill-agent"]
+    for t, n, kind in sorted(marks, key=lambda m: m[0]):
+        if n is None or not 0 <= n < nodes:
+            continue
+        if kind == "workers_started":
+            since.setdefault(n, t)
+        elif (kind in stops or kind == "killed") and n in since:
+            c.rect(x(since.pop(n)), y(n) + 3, x(t), y(n) + row_h - 3, GREEN)
+        if kind == "restart":
+            c.rect(x(t) - 1, y(n) - 3, x(t) + 2, y(n) + row_h + 3, BLUE)
+    for n, t in since.items():
+        c.rect(x(t), y(n) + 3, x(rec.ended), y(n) + row_h - 3, GREEN)
+    for inj in rec.injections:  # an outage is a stretch, not a moment: a band along every row
+        if inj.kind.startswith("store-outage"):
+            end = inj.mono + float(inj.kind.split(":", 1)[1])
+            for n in range(nodes):
+                c.rect(x(inj.mono), y(n), x(end), y(n) + 3, ORANGE)
+                c.rect(x(inj.mono), y(n) + row_h - 3, x(end), y(n) + row_h, ORANGE)
+    for inj in rec.injections:
+        if inj.kind.startswith("store-outage"):
+            continue
+        kind, _, idx = inj.target.partition(":")
+        n = int(idx) if kind == "node" else int(idx) // max(1, nproc) if kind == "rank" else -1
+        if 0 <= n < nodes:
+            c.rect(x(inj.mono) - 2, y(n) - 3, x(inj.mono) + 3, y(n) + row_h + 3, RED)
+    _axis(c, rec, x, y(nodes) + 2, left, width, span)
     path.write_bytes(c.png())
     return path

@@ -98,9 +98,11 @@ def _target(rng: Optional[random.Random], name: str, ranks: list[int], nodes: li
     if "store" in targets:
         return Target("store")
     if targets == frozenset({"node"}):
+        nodes = [n for n in nodes if n not in set(knobs.spare_nodes)]
         if not nodes:
             raise PlanError(f"kind {name!r} needs a node with no rank in never={list(knobs.never)}"
-                            "; every node has one: shrink never or drop the kind")
+                            f" and not in spare_nodes={list(knobs.spare_nodes)}; there is none: "
+                            "shrink them, add nodes or drop the kind")
         return Target.node(rng.choice(nodes) if rng else nodes[0])
     if not ranks:
         raise PlanError(f"every rank of world_size {knobs.world_size} is in never; leave at "

@@ -33,6 +33,7 @@ class Knobs:
     kinds: Optional[tuple[str, ...]] = None
     nodes: int = 1
     never: tuple[int, ...] = ()
+    spare_nodes: tuple[int, ...] = ()  # nodes a node-only kind (kill-agent) never hits
     min_gap_s: float = 0.0
     min_gap_steps: int = 1
     slow_s: tuple[float, float] = (0.5, 3.0)
@@ -81,6 +82,14 @@ class Knobs:
             raise PlanError(f"never names rank {bad[0]}, but world_size is {self.world_size}; "
                             f"ranks are 0..{self.world_size - 1}")
         object.__setattr__(self, "never", never_t)
+        spare = self.spare_nodes
+        if isinstance(spare, (str, bytes)) or not hasattr(spare, "__iter__"):
+            raise PlanError(f"spare_nodes {spare!r} must be a list of node indexes")
+        spare_t = tuple(sorted({_int(n, "spare_nodes", 0) for n in spare}))
+        if any(n >= self.nodes for n in spare_t):
+            raise PlanError(f"spare_nodes {list(spare_t)} names a node >= nodes {self.nodes}; "
+                            f"nodes are 0..{self.nodes - 1}")
+        object.__setattr__(self, "spare_nodes", spare_t)
         kinds = self.kinds if self.kinds is not None else self.default_kinds()
         if isinstance(kinds, str) or not kinds:
             raise PlanError(f"kinds {kinds!r} must be a non-empty list, e.g. ['sigkill', "

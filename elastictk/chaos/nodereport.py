@@ -1,0 +1,148 @@
+"""The report's multi-node part: what a lost node and a store outage did to the job, read from
+the event logs of every agent (each event tagged with its node), and the invariants for them.
+
+A ``kill-agent`` is *detected* when a surviving node first reacts after it: a
+``membership_changed`` (its heartbeat watch saw the node go) or a failure event (a survivor's
+worker broke in a collective with the lost ranks first). The first is a membership change and
+spends no restart; the second is a failure and spends one. The job is *running again* at the
+next ``workers_started`` after that. A ``store-outage`` is *ridden through* when no node reacts
+within the outage plus the heartbeat timeout.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from .expect import Expectation, Shape, long_outage
+from .runner import Injection, RunRecord
+
+FAILURES = ("worker_failed", "peer_failed", "timer_expired")
+REACTIONS = FAILURES + ("membership_changed", "store_lost", "rendezvous_failed")
+
+
+def _after(rec: RunRecord, kinds: Sequence[str], t: float, until: float = float("inf"),
+           not_node: Optional[int] = None) -> Any:
+    return next((e for e in rec.events if e.kind in kinds and t <= e.mono <= until
+                 and (not_node is None or e.fields.get("node") != not_node)), None)
+
+
+def _restart_count_before(rec: RunRecord, t: float) -> int:
+    found = [int(e.fields.get("restart_count", 0)) for e in rec.events
+             if e.kind == "workers_started" and e.mono <= t]
+    return max(found, default=0)
+
+
+def _members_at(rec: RunRecord, t: float) -> list[int]:
+    """The nodes whose workers were running at ``t`` (started, not stopped since)."""
+    running: dict[int, bool] = {}
+    for e in rec.events:
+        if e.mono > t:
+            break
+        if e.kind == "workers_started":
+            running[e.fields.get("node")] = True
+        elif e.kind in ("workers_stopped", "job_finished", "job_failed"):
+            running[e.fields.get("node")] = False
+    return sorted(n for n, up in running.items() if up)
+
+
+def node_fault(fault: Any, inj: Injection, rec: RunRecord, shape: Shape) -> dict[str, Any]:
+    """The row fields of a fired ``kill-agent`` or ``store-outage`` (see the module)."""
+    at = inj.mono
+    row: dict[str, Any] = {"injected_at": at - rec.started, "needs_restart": False}
+    if fault.kind == "kill-agent":
+        node = int(fault.target.index)
+        seen = _after(rec, REACTIONS, at, not_node=node)
+        if shape.backend == "c10d" and node == 0:
+            row["outcome"] = "store host lost"
+        elif seen is None:
+            row["outcome"] = "not seen"
+        elif seen.kind == "membership_changed":
+            row["outcome"] = "membership change"
+        elif seen.kind in FAILURES:
+            row["outcome"], row["needs_restart"] = "restart", True
+        else:
+            row["outcome"] = seen.kind.replace("_", " ")
+    else:
+        # Reactions after another fault hit (within the window) are that fault's doing.
+        until = min([at + float(fault.param) + shape.heartbeat_timeout] +
+                    [i.mono for i in rec.injections if i.fault != inj.fault and i.mono > at])
+        seen = _after(rec, REACTIONS + ("restart",), at, until)
+        if seen is None:
+            row["outcome"] = "ridden through"
+        else:
+            row["outcome"] = "restart" if _after(rec, ("restart",), at, seen.mono + 30) else (
+                "membership change" if seen.kind == "membership_changed" else seen.kind.replace("_", " "))
+    if seen is not None:
+        row["detected_after"] = seen.mono - at
+        back = _after(rec, ("workers_started",), seen.mono)
+        if back is not None:
+            row["running_after"] = back.mono - at
+        restarted = _after(rec, ("restart",), at, seen.mono + 30)
+        if restarted is not None:
+            row["restarts_used"] = int(restarted.fields.get("restart_count", 0))
+    return row
+
+
+def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, nproc: int,
+           restarts: int, needed: int) -> list[tuple[str, bool, str]]:
+    """(name, ok, detail) of the multi-node invariants."""
+    out: list[tuple[str, bool, str]] = []
+    finished = rec.exit_code == 0
+    out.append(("finishes iff the budget and the nodes left allow it",
+                exp.finish is None or finished == exp.finish,
+                f"{exp.why}: the job {'finished' if finished else f'failed (exit {rec.exit_code})'}, "
+                f"expected it to {'finish or fail' if exp.finish is None else 'finish' if exp.finish else 'fail'}"))
+    if not finished and exp.names is not None:
+        ok = exp.names.lower() in rec.stderr.lower()
+        out.append((f"fails naming {'the spent budget' if exp.names != 'store' else 'the lost store'}", ok,
+                    f"stderr names {exp.names!r}" if ok else f"no {exp.names!r} in any agent's stderr"))
+    longs = sum(1 for r in rows if r.fired and r.kind.startswith("store-outage")
+                and long_outage(float(r.kind.split(":", 1)[1]), shape))
+    if exp.finish:
+        ok, want = needed <= restarts <= needed + longs, f"{needed}" + (f" to {needed + longs}" if longs else "")
+    elif exp.names == "restart budget spent":
+        ok, want = restarts == shape.max_restarts, str(shape.max_restarts)
+    else:
+        ok, want = restarts <= max(needed, shape.max_restarts), f"at most {max(needed, shape.max_restarts)}"
+    out.append(("restarts counted == failures that needed one", ok, f"{restarts} restart(s) for {want} expected"))
+    kills = [r for r in rows if r.fired and r.kind == "kill-agent" and r.outcome != "store host lost"]
+    if kills:
+        bad = []
+        for r in kills:
+            at = rec.started + (r.injected_at or 0)
+            if r.detected_after is None:
+                bad.append(f"#{r.index} never seen by a survivor")
+                continue
+            # Every member must notice: by reacting, or by finishing before anyone reacted.
+            first = at + r.detected_after
+            deaf = [n for n in _members_at(rec, at) if n != int(r.target.split(":")[1])
+                    and not any(e.fields.get("node") == n and e.mono >= at and (
+                        e.kind in REACTIONS or (e.kind == "job_finished" and e.mono <= first))
+                        for e in rec.events)]
+            if deaf:
+                bad.append(f"#{r.index}: node(s) {', '.join(map(str, deaf))} never noticed the loss "
+                           "(no membership change, failure or finish after it)")
+            before = _restart_count_before(rec, at)
+            back = _after(rec, ("workers_started",), at + r.detected_after)
+            if r.outcome == "membership change" and back is not None and \
+                    int(back.fields.get("restart_count", 0)) != before:
+                bad.append(f"#{r.index} was a membership change but spent a restart")
+            world = max((int(e.fields.get("world_size", 0)) for e in rec.events
+                         if e.kind == "workers_started" and e.mono <= at), default=0)
+            if back is not None and not shape.rejoin and int(back.fields.get("world_size", 0)) >= world:
+                bad.append(f"#{r.index}: the job re-formed at world {back.fields.get('world_size')}, "
+                           f"not below {world}")
+        paths = ", ".join(f"#{r.index} {r.outcome}" for r in kills)
+        out.append(("each lost node is seen by every survivor, and they re-form without it", not bad,
+                    "; ".join(bad) or paths))
+    outages = [r for r in rows if r.fired and r.kind.startswith("store-outage")]
+    short = [r for r in outages if not long_outage(float(r.kind.split(":", 1)[1]), shape)]
+    if short:
+        bad = [f"#{r.index} {r.kind}: {r.outcome}" for r in short if r.outcome != "ridden through"]
+        out.append((f"a store outage < heartbeat timeout {shape.heartbeat_timeout:g}s is ridden through",
+                    not bad, "; ".join(bad) or f"{len(short)} ridden through, no restart, no re-formed round"))
+    longer = [r for r in outages if r not in short]
+    if longer:
+        ok = finished or "store" in rec.stderr.lower() or any(r.outcome != "ridden through" for r in longer)
+        out.append(("a longer store outage ends in a restart, a re-formed round or a failure naming the store",
+                    ok, ", ".join(f"#{r.index} {r.outcome}" for r in longer)))
+    return out

@@ -1,0 +1,169 @@
+"""elastictk-chaos with several nodes: real agents on loopback (c10d hosted by node 0, or a real
+etcd), real SIGKILLs of agents and a real SIGSTOP of the store; plus the pure pieces."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastictk.chaos.expect import BUDGET, STORE, Shape, expect
+from elastictk.chaos.multinode import full_size_at, tag_events, workers_by_rank
+from elastictk.faults import Fault, generate_plan, plan_of
+from elastictk.store.etcd_server import EtcdNotInstalled, find_etcd
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "examples" / "train.py")
+STEPS = str(ROOT / "tests" / "chaos_steps_worker.py")
+CONF = "last_call_timeout=2,heartbeat_interval=0.2,heartbeat_timeout=1.5,join_timeout=20"
+
+
+def chaos(tmp: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
+                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
+
+
+def report(tmp: Path) -> dict:
+    return json.loads((tmp / "r" / "chaos-report.json").read_text())
+
+
+def planned(tmp: Path, *faults: Fault) -> str:
+    plan_of(list(faults)).save(tmp / "plan.json")
+    return "plan.json"
+
+
+def test_a_lost_agent_is_a_membership_change_and_the_survivors_finish(tmp_path: Path) -> None:
+    plan = planned(tmp_path, Fault.of("kill-agent", "node:2", at_s=1))
+    r = chaos(tmp_path, "--nodes", "3", "--nnodes", "2:3", "--plan", plan, "--nproc-per-node", "1",
+              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "40", "--step-time", "0.1")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert d["totals"]["exit_code"] == 0 and d["totals"]["restarts"] == 0, "no restart charged for a lost node"
+    (row,) = d["faults"]
+    assert row["outcome"] == "membership change" and row["detected_after"] < row["running_after"]
+    assert [(a["node"], a["killed"]) for a in d["agents"]] == [(0, False), (1, False), (2, True)]
+    assert "[ok] each lost node is seen by every survivor" in r.stdout and "node 2 pid" in r.stdout
+    assert d["multinode"] == {"nodes": 3, "backend": "c10d", "rejoin_s": None}
+
+
+def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path: Path) -> None:
+    # Under c10d the store lives in node 0's agent: the outage is a SIGSTOP of that agent.
+    plan = planned(tmp_path, Fault.of("store-outage:1", "store", at_s=1), Fault.of("kill-agent", "node:1", at_s=3))
+    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--rejoin", "1", "--nproc-per-node", "1",
+              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "60", "--step-time", "0.1")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert [f["outcome"] for f in d["faults"]] == ["ridden through", "membership change"], d["faults"]
+    assert d["totals"]["restarts"] == 0 and d["totals"]["exit_code"] == 0
+    assert [(a["node"], a["agent"], a["killed"]) for a in d["agents"]] == [(0, 0, False), (1, 0, True), (1, 1, False)]
+    assert [x["node"] for x in d["rejoins"]] == [1]
+    png = (tmp_path / "r" / "chaos-timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_lost_agent_of_a_gloo_job_over_the_budget_fails_with_the_budget_message(tmp_path: Path) -> None:
+    # The survivors' workers break in all_reduce before the heartbeat says the node is gone: a
+    # failure, charged to --max-restarts 0, so the job must fail naming the spent budget.
+    plan = planned(tmp_path, Fault.of("kill-agent", "node:1", at_s=1))
+    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--nproc-per-node", "1",
+              "--max-restarts", "0", "--rdzv-conf", CONF, "--", TRAIN, "--steps", "200", "--step-time", "0.05",
+              "--ckpt-dir", "{run_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]  # failing was the right outcome
+    d = report(tmp_path)
+    assert d["totals"]["exit_code"] == 1 and d["faults"][0]["outcome"] == "restart"
+    names = {c["name"]: c["ok"] for c in d["checks"]}
+    assert names["fails naming the spent budget"] and names["finishes iff the budget and the nodes left allow it"]
+
+
+def test_a_short_etcd_outage_is_ridden_through(tmp_path: Path) -> None:
+    try:
+        find_etcd()
+    except EtcdNotInstalled as e:
+        pytest.skip(str(e))
+    plan = planned(tmp_path, Fault.of("store-outage:1.5", "store", at_s=0.5))
+    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "2", "--rdzv-backend", "etcd", "--plan", plan,
+              "--nproc-per-node", "1", "--max-restarts", "0",
+              "--rdzv-conf", "last_call_timeout=2,heartbeat_interval=0.3,heartbeat_timeout=4,join_timeout=20",
+              "--", TRAIN, "--steps", "60", "--step-time", "0.05", "--ckpt-dir", "{run_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert d["faults"][0]["outcome"] == "ridden through" and d["totals"]["restarts"] == 0
+    assert d["totals"]["exit_code"] == 0 and d["totals"]["checksum"]
+    assert "[ok] a store outage < heartbeat timeout 4s is ridden through" in r.stdout
+
+
+def test_multinode_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cmd = ["--", STEPS]
+    for args, text in [
+        (["--nodes", "2", "--rdzv-endpoint", "127.0.0.1:1", *cmd], "--rdzv-endpoint: with --nodes"),
+        (["--nodes", "3", "--nnodes", "1:2", *cmd], "--nodes 3 with --nnodes 1:2"),
+        (["--nodes", "2", "--rdzv-backend", "file", *cmd], "with --nodes use one of c10d, etcd"),
+        (["--rejoin", "1", "--standalone", *cmd], "--rejoin and --kill-store-host need several nodes"),
+        (["--nodes", "2", "--kinds", "kill-agent", *cmd], "cannot be triggered by step"),
+        (["--nodes", "2", "--at-seconds", "x", *cmd], "--at-seconds 'x': write LO:HI"),
+    ]:
+        r = chaos(tmp_path, *args, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and text in lines[0], (args, r.stderr)
+    planned(tmp_path, Fault.of("kill-agent", "node:3", at_s=1))
+    r = chaos(tmp_path, "--nodes", "2", "--plan", "plan.json", *cmd, timeout=60)
+    assert r.returncode == 2 and "the job has nodes 0..1" in r.stderr
+
+
+# -- pure pieces -------------------------------------------------------------------------------
+def test_generated_kill_agent_spares_the_c10d_store_host() -> None:
+    plan = generate_plan(3, 6, 3, kinds=["kill-agent"], seconds=(1, 9), nodes=3, spare_nodes=(0,))
+    assert {f.target.index for f in plan.faults} <= {1, 2}
+    again = generate_plan(3, 6, 3, kinds=["kill-agent"], seconds=(1, 9), nodes=3, spare_nodes=(0,))
+    assert again == plan
+
+
+def test_ranks_map_to_the_workers_each_node_runs_now() -> None:
+    from elastictk.metrics.events import Event  # tag_events copies with dataclasses.replace
+
+    per = [(0, [Event("round_joined", {"rank": 1}, mono=1), Event("workers_started", {"pids": {"0": 10, "1": 11},
+                                                                                     "world_size": 4}, mono=2)]),
+           (1, [Event("round_joined", {"rank": 0}, mono=1.5), Event("workers_started", {"pids": {"0": 20, "1": 21},
+                                                                                       "world_size": 4}, mono=3)])]
+    events = tag_events(per)
+    assert [e.fields["node"] for e in events] == [0, 1, 0, 1]
+    assert workers_by_rank(events, 2) == {0: (1, 20), 1: (1, 21), 2: (0, 10), 3: (0, 11)}
+    assert full_size_at(events, 4, 2) == 3 and full_size_at(events[:3], 4, 2) is None
+    stopped = tag_events([(1, [Event("workers_stopped", {}, mono=4)])])
+    assert workers_by_rank(events + stopped, 2) == {2: (0, 10), 3: (0, 11)}
+
+
+shapes = st.builds(Shape, nodes=st.integers(2, 6), min_nodes=st.integers(1, 6), backend=st.sampled_from(["c10d", "etcd"]),
+                   max_restarts=st.integers(0, 4), heartbeat_timeout=st.floats(0.5, 20), rejoin=st.booleans())
+
+
+@given(shape=shapes, needed=st.integers(0, 6), killed=st.sets(st.integers(0, 5), max_size=4),
+       outages=st.lists(st.floats(0.1, 30), max_size=3))
+def test_the_expected_outcome_follows_the_rules(shape: Shape, needed: int, killed: set[int],
+                                                outages: list[float]) -> None:
+    killed = {k for k in killed if k < shape.nodes}
+    e = expect(shape, needed, killed, outages)
+    host_lost = shape.backend == "c10d" and 0 in killed
+    left = shape.nodes if shape.rejoin else shape.nodes - len(killed)
+    if host_lost:
+        assert e.finish is False and e.names == STORE
+    elif left < shape.min_nodes:
+        assert e.finish is False
+    elif needed > shape.max_restarts:
+        assert e.finish is False and e.names == BUDGET
+    elif any(s >= shape.heartbeat_timeout for s in outages):
+        assert e.finish is None
+    else:
+        assert e.finish is True
+    # More failures never turn a failure into a finish; fewer never the other way.
+    if e.finish is False:
+        assert expect(shape, needed + 1, killed, outages).finish is False
+    if e.finish is True and needed:
+        assert expect(shape, needed - 1, killed, outages).finish is True
+    # Short outages and etcd's node 0 are nothing special.
+    short = [s for s in outages if s < shape.heartbeat_timeout]
+    assert expect(shape, needed, killed, short).finish in (True, False)

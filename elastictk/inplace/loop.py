@@ -362,5 +362,7 @@ def _sync(state: State, rank: int, *, fresh: bool) -> None:
     buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == src
            else torch.empty(int(size[0]), dtype=torch.uint8))
     dist.broadcast(buf, src)
-    if rank != src:
+    # A rank already at the newest commit holds that state: data parallel ranks that committed
+    # the same step hold the same weights. Only the ones behind pay for deserializing it.
+    if steps[rank] < best:
         state.load_bytes(buf.numpy().tobytes())

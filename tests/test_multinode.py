@@ -193,3 +193,39 @@ def test_losing_the_c10d_host_fails_fast_naming_the_store(job: Job) -> None:
     assert rc == 1 and took < 30, err[-2000:]
     assert "Traceback" not in err
     assert "TCPStore" in err and "etcd" in err, "says what was lost and how to avoid it"
+
+
+@pytest.mark.parametrize("job", [{"nnodes": "2:3"}], indirect=True)
+def test_node_lost_while_the_others_wait_to_exit_does_not_hold_them(job: Job) -> None:
+    # Node A (started first, so it hosts the c10d store) and B finish; C's workers run on.
+    # C's agent dies while A and B sit in the exit barrier: they leave once its heartbeat
+    # is missing (heartbeat_timeout 2 s), instead of waiting out the barrier's 300 s.
+    a = job.agent("--sleep", "120", "--until", "stop")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert job.store_host() == a.pid
+            break
+        except (AssertionError, psutil.Error):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    job.agent("--sleep", "120", "--until", "stop")
+    c = job.agent("--sleep", "120", "--until", "never")
+    job.wait_for(lambda s: len(by_world(s, 6)) == 6)
+    (job.out / "stop").touch()
+    pids = [int(s["pid"]) for s in by_world(job.starts(), 6)]
+    deadline = time.monotonic() + 30
+    while sum(psutil.pid_exists(p) for p in pids) > 2:  # A's and B's four workers exit
+        assert time.monotonic() < deadline, "the finished nodes' workers did not exit"
+        time.sleep(0.05)
+    assert c.poll() is None, "C's agent still runs its two workers"
+    time.sleep(0.5)  # A and B are in the exit barrier now
+    c.send_signal(signal.SIGKILL)
+    lost_at = time.monotonic()
+    results = job.finish(timeout=60)
+    took = time.monotonic() - lost_at
+    codes = [rc for rc, _ in results]
+    assert codes == [0, 0, -signal.SIGKILL], [e[-1500:] for _, e in results]
+    assert took < 30, f"the finished nodes waited {took:.1f}s for a lost peer"
+    assert all("exit_barrier_left" in err for _, err in results[:2]), [e[-1500:] for _, e in results[:2]]

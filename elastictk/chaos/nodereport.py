@@ -112,11 +112,13 @@ def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, 
             if r.detected_after is None:
                 bad.append(f"#{r.index} never seen by a survivor")
                 continue
-            # Every member must notice: by reacting, or by finishing before anyone reacted.
+            # Every member must notice: by reacting, by leaving its exit barrier without the
+            # lost node, or by finishing before anyone reacted.
             first = at + r.detected_after
             deaf = [n for n in _members_at(rec, at) if n != int(r.target.split(":")[1])
                     and not any(e.fields.get("node") == n and e.mono >= at and (
-                        e.kind in REACTIONS or (e.kind == "job_finished" and e.mono <= first))
+                        e.kind in REACTIONS or e.kind == "exit_barrier_left"
+                        or (e.kind == "job_finished" and e.mono <= first))
                         for e in rec.events)]
             if deaf:
                 bad.append(f"#{r.index}: node(s) {', '.join(map(str, deaf))} never noticed the loss "

@@ -219,12 +219,14 @@ class ElasticAgent:
                     raise watch.store_error
                 continue
             if outcome == _Outcome.SUCCEEDED:
-                if coord.exit_barrier(info.world_size, cfg.exit_barrier_timeout):
+                finished, lost = self._exit_barrier(coord, info)
+                if finished:
                     try:
                         handler.shutdown("finished")
                     except StoreError:
                         pass  # a peer already closed the job and the store went with its host
-                    coord.depart(info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5)
+                    coord.depart(info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5,
+                                 lost=len(lost))
                     results = group.results
                     restarts = restart_count(handler.store)  # in-place recoveries count too
                     self._emit("job_finished", restarts=restarts)
@@ -246,6 +248,21 @@ class ElasticAgent:
             self._emit("restart", restart_count=decision.restart_count, delay_s=decision.delay_s, reason=decision.reason)
             if decision.delay_s > 0:
                 time.sleep(decision.delay_s)
+
+    def _exit_barrier(self, coord: RoundCoordinator, info: RoundInfo) -> tuple[bool, list[str]]:
+        """The exit barrier, watching heartbeats meanwhile: a peer lost after this node's
+        workers finished ends the wait after ``heartbeat_timeout``, not the barrier's timeout.
+        Returns (finished, the lost peers' node ids)."""
+        assert self.handler is not None
+        watch = MembershipWatch(self.handler, info)
+        try:
+            finished = coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
+                                          lost=lambda: watch.reason if watch.lost else None)
+        finally:
+            watch.stop()
+        if watch.lost:
+            self._emit("exit_barrier_left", lost=",".join(watch.lost), reason=watch.reason)
+        return finished, list(watch.lost)
 
     def _monitor(self, coord: RoundCoordinator, watch: MembershipWatch) -> tuple[int, list[WorkerResult]]:
         """Block until something needs the loop's attention; all wake-ups are events."""

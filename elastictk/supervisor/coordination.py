@@ -213,14 +213,24 @@ class RoundCoordinator:
                                        f"{data!r}; use a fresh --rdzv-id") from None
 
     # -- finishing --------------------------------------------------------------------------
-    def exit_barrier(self, world: int, timeout: float) -> bool:
-        """Wait for every node of the round to finish; False when a failure came first."""
+    def exit_barrier(self, world: int, timeout: float,
+                     lost: Callable[[], str | None] | None = None) -> bool:
+        """Wait for every node of the round to finish; False when a failure came first.
+
+        ``lost`` names a peer found dead meanwhile (None while all beat): that node never
+        finishes, so waiting on would only spend the whole timeout; this node's workers did
+        finish, and it leaves as it would at the timeout.
+        """
         if self.round.add("finished", 1) >= world:
             self.round.set("all_finished", b"1")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.failed.is_set() or self.round.try_get("failed") is not None:
                 return False
+            gone = lost() if lost is not None else None
+            if gone is not None:
+                log.warning("exit barrier: not waiting for the rest: %s", gone)
+                return True
             try:
                 self.round.wait(["all_finished"], min(0.5, max(0.001, deadline - time.monotonic())))
                 return True
@@ -228,17 +238,27 @@ class RoundCoordinator:
                 continue
         return True  # peers that never finish within the timeout do not hold this node forever
 
-    def depart(self, world: int, host: bool, timeout: float) -> None:
+    def depart(self, world: int, host: bool, timeout: float, lost: int = 0) -> None:
         """Say this node is done with the store; the node hosting it waits for everyone.
 
         The host of a c10d store takes the store down when it exits, so it leaves last:
         a peer still reading the round's keys would otherwise fail a job that succeeded.
+        ``lost`` peers (seen dead in the exit barrier) never depart; the host does not wait
+        for them.
         """
         try:
             if self.round.add("departed", 1) >= world:
                 self.round.set("all_departed", b"1")
-            if host:
-                self.round.wait(["all_departed"], timeout)
+            if not host:
+                return
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    self.round.wait(["all_departed"], min(0.2, max(0.001, deadline - time.monotonic())))
+                    return
+                except StoreTimeout:
+                    if lost and self.round.add("departed", 0) >= world - lost:
+                        return
         except StoreError:
             pass  # the job is done; a peer that vanished meanwhile changes nothing
 

@@ -152,6 +152,13 @@ def _set_timeout(seconds: float) -> None:
             pass
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write: under ``python -u`` semantics ``print`` writes the
+    text and its newline separately, and the agent's own lines land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
@@ -205,9 +212,8 @@ class Session:
             gen = self._next_generation(after)
             if gen.finished:
                 # Joined (or was replaced) just as the job ended: nothing left to train.
-                print(f"elastictk: rank {self.rank}: the job finished at generation "
-                      f"{gen.gen - 1} before this worker joined; exiting", file=sys.stderr,
-                      flush=True)
+                _say(f"elastictk: rank {self.rank}: the job finished at generation "
+                     f"{gen.gen - 1} before this worker joined; exiting")
                 raise SystemExit(0)
             rank = gen.rank_of(self.node, self.local_rank, self.rank)
             if rank is None:
@@ -286,8 +292,8 @@ class Session:
     def leave(self, ctx: Context) -> None:
         """Leave the group at a commit point for the next generation (no failure to report)."""
         self._teardown()
-        print(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
-              "re-forming at this commit", file=sys.stderr, flush=True)
+        _say(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
+             "re-forming at this commit")
 
     def report_error(self, ctx: Context, first: str) -> None:
         """Tear the group down and tell the agent (which may have to find a frozen peer)."""
@@ -296,8 +302,8 @@ class Session:
         try:
             if self.store.check([gen_key(ctx.generation + 1)]):
                 # A peer left for the next generation (nodes joined or left): not a failure.
-                print(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
-                      f"re-forming ({first})", file=sys.stderr, flush=True)
+                _say(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
+                     f"re-forming ({first})")
                 return
         except RuntimeError:
             pass
@@ -306,8 +312,8 @@ class Session:
                 {"rank": self.rank, "error": first, "t": time.time()}).encode())
         except RuntimeError:
             pass  # the store is gone with the agent; the death signal ends this worker next
-        print(f"elastictk: rank {self.rank}: collective failed in generation "
-              f"{ctx.generation}: {first}; recovering in place", file=sys.stderr, flush=True)
+        _say(f"elastictk: rank {self.rank}: collective failed in generation "
+             f"{ctx.generation}: {first}; recovering in place")
 
     def _teardown(self) -> None:
         if not dist.is_initialized():

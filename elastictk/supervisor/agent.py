@@ -254,7 +254,11 @@ class ElasticAgent:
         workers finished ends the wait after ``heartbeat_timeout``, not the barrier's timeout.
         Returns (finished, the lost peers' node ids)."""
         assert self.handler is not None
-        watch = MembershipWatch(self.handler, info)
+        try:
+            watch = MembershipWatch(self.handler, info)
+        except StoreError:  # no second connection to the store: wait as before, unwatched
+            return coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout), []
+        self._lingering.append(watch)  # joined before the process exits, as the round's are
         try:
             finished = coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
                                           lost=lambda: watch.reason if watch.lost else None)

@@ -32,7 +32,7 @@ from .cluster import Cluster
 
 FULL_SIZE_WAIT = 60.0
 from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
-    _shm, _survivors, fault_env, read_fault_log
+    _shm, fault_env, read_fault_log, record_leaks
 
 
 def tag_events(per_node: Iterable[tuple[int, list[Any]]]) -> list[Any]:
@@ -136,13 +136,7 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
     _refresh(rec, cluster, fault_log)
     rec.agents = [{"node": x.node, "agent": x.number, "pid": x.pid, "exit": x.proc.returncode,
                    "killed": x.killed} for x in cluster.incarnations]
-    grace = time.monotonic() + 5  # workers die with their agent by a death signal: a moment
-    while _survivors(rec.pids) and time.monotonic() < grace:
-        time.sleep(0.05)
-    rec.leaked_processes = _survivors(rec.pids)
-    rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
-    rec.leaked_ports = sorted(f"{addr} (pid {pid})" for addr, pid in _listening().items()
-                              if addr not in ports_before and pid in rec.pids)
+    record_leaks(rec, shm_before, ports_before)
     if progress is not None:
         progress(rec)
     return rec

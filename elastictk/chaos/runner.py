@@ -143,13 +143,7 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     rec.exit_code = proc.returncode
     rec.stdout, rec.stderr = "".join(out_lines), "".join(err_lines)
     _refresh(rec, events, fault_log, proc.pid)
-    grace = time.monotonic() + 5  # workers die with their agent by a death signal: a moment
-    while _survivors(rec.pids) and time.monotonic() < grace:
-        time.sleep(0.05)
-    rec.leaked_processes = _survivors(rec.pids)
-    rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
-    rec.leaked_ports = sorted(f"{addr} (pid {pid})" for addr, pid in _listening().items()
-                              if addr not in ports_before and pid in rec.pids)
+    record_leaks(rec, shm_before, ports_before)
     if progress is not None:
         progress(rec)
     return rec
@@ -228,6 +222,17 @@ def _descendants(pid: int) -> set[int]:
         return {c.pid for c in psutil.Process(pid).children(recursive=True)}
     except psutil.NoSuchProcess:
         return set()
+
+
+def record_leaks(rec: RunRecord, shm_before: set[str], ports_before: dict[str, Optional[int]]) -> None:
+    """What the run left behind: its processes still alive, shared memory, listening ports."""
+    grace = time.monotonic() + 5  # workers die with their agent by a death signal: a moment
+    while _survivors(rec.pids) and time.monotonic() < grace:
+        time.sleep(0.05)
+    rec.leaked_processes = _survivors(rec.pids)
+    rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
+    rec.leaked_ports = sorted(f"{addr} (pid {pid})" for addr, pid in _listening().items()
+                              if addr not in ports_before and pid in rec.pids)
 
 
 def _survivors(pids: set[int]) -> list[str]:

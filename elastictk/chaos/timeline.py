@@ -11,9 +11,11 @@ from __future__ import annotations
 import struct
 import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .runner import RunRecord
+
+_LEFT, _TOP, _ROW_H, _GAP = 44, 12, 22, 6  # lane geometry, pixels
 
 GREEN, RED, BLUE, GREY, BLACK, WHITE = (60, 170, 80), (220, 40, 40), (50, 90, 220), \
     (225, 225, 225), (30, 30, 30), (255, 255, 255)
@@ -70,15 +72,7 @@ def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
     out."""
     if rec.nodes > 1:
         return _draw_nodes(rec, path, world // rec.nodes, width)
-    left, top, row_h, gap = 44, 12, 22, 6
-    height = top + world * (row_h + gap) + 30
-    c = Canvas(width, height)
-    span = max(1e-6, rec.ended - rec.started)
-    x = lambda t: left + int((t - rec.started) / span * (width - left - 10))  # noqa: E731
-    y = lambda r: top + r * (row_h + gap)  # noqa: E731
-    for r in range(world):
-        c.rect(left, y(r), width - 10, y(r) + row_h, GREY)
-        c.text(6, y(r) + 6, f"R{r}")
+    c, x, y = _lanes(rec, width, world, "R")
     start: Optional[float] = None
     ranks: list[int] = []
     for e in rec.events + [None]:  # type: ignore[operator]
@@ -87,19 +81,19 @@ def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
                                                        "job_finished", "job_failed", "timer_expired")):
             end = rec.ended if e is None else e.mono
             for r in ranks:
-                c.rect(x(start), y(r) + 3, x(end), y(r) + row_h - 3, GREEN)
+                c.rect(x(start), y(r) + 3, x(end), y(r) + _ROW_H - 3, GREEN)
             start = None
         if e is not None and kind == "workers_started":
             start = e.mono
             ranks = [int(k) for k in (e.fields.get("pids") or {}) if int(k) < world]
         elif e is not None and kind == "restart":
-            c.rect(x(e.mono) - 1, top - 4, x(e.mono) + 2, y(world) - gap + 4, BLUE)
+            c.rect(x(e.mono) - 1, _TOP - 4, x(e.mono) + 2, y(world) - _GAP + 4, BLUE)
     for inj in rec.injections:
         hit = [int(inj.target.split(":")[1])] if inj.target.startswith("rank:") else list(range(world))
         for r in hit:
             if r < world:
-                c.rect(x(inj.mono) - 2, y(r) - 3, x(inj.mono) + 3, y(r) + row_h + 3, RED)
-    _axis(c, rec, x, y(world) + 2, left, width, span)
+                c.rect(x(inj.mono) - 2, y(r) - 3, x(inj.mono) + 3, y(r) + _ROW_H + 3, RED)
+    _axis(c, rec, x, y(world) + 2, _LEFT, width, max(1e-6, rec.ended - rec.started))
     path.write_bytes(c.png())
     return path
 
@@ -114,16 +108,28 @@ def _axis(c: Canvas, rec: RunRecord, x, base: int, left: int, width: int, span: 
         t += step
 
 
-def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
-    left, top, row_h, gap = 44, 12, 22, 6
-    nodes = rec.nodes
-    c = Canvas(width, top + nodes * (row_h + gap) + 30)
+def _lanes(rec: RunRecord, width: int, count: int, tag: str
+           ) -> tuple[Canvas, Callable[[float], int], Callable[[int], int]]:
+    """A canvas with one grey lane per rank or node, labelled, and the time (x) and lane (y)
+    to pixel maps."""
+    c = Canvas(width, _TOP + count * (_ROW_H + _GAP) + 30)
     span = max(1e-6, rec.ended - rec.started)
-    x = lambda t: left + int((t - rec.started) / span * (width - left - 10))  # noqa: E731
-    y = lambda r: top + r * (row_h + gap)  # noqa: E731
-    for n in range(nodes):
-        c.rect(left, y(n), width - 10, y(n) + row_h, GREY)
-        c.text(6, y(n) + 6, f"N{n}")
+
+    def x(t: float) -> int:
+        return _LEFT + int((t - rec.started) / span * (width - _LEFT - 10))
+
+    def y(lane: int) -> int:
+        return _TOP + lane * (_ROW_H + _GAP)
+
+    for lane in range(count):
+        c.rect(_LEFT, y(lane), width - 10, y(lane) + _ROW_H, GREY)
+        c.text(6, y(lane) + 6, f"{tag}{lane}")
+    return c, x, y
+
+
+def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
+    nodes = rec.nodes
+    c, x, y = _lanes(rec, width, nodes, "N")
     since: dict[int, float] = {}
     stops = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed", "timer_expired",
              "membership_changed", "store_lost")
@@ -136,24 +142,24 @@ def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
         if kind == "workers_started":
             since.setdefault(n, t)
         elif (kind in stops or kind == "killed") and n in since:
-            c.rect(x(since.pop(n)), y(n) + 3, x(t), y(n) + row_h - 3, GREEN)
+            c.rect(x(since.pop(n)), y(n) + 3, x(t), y(n) + _ROW_H - 3, GREEN)
         if kind == "restart":
-            c.rect(x(t) - 1, y(n) - 3, x(t) + 2, y(n) + row_h + 3, BLUE)
+            c.rect(x(t) - 1, y(n) - 3, x(t) + 2, y(n) + _ROW_H + 3, BLUE)
     for n, t in since.items():
-        c.rect(x(t), y(n) + 3, x(rec.ended), y(n) + row_h - 3, GREEN)
+        c.rect(x(t), y(n) + 3, x(rec.ended), y(n) + _ROW_H - 3, GREEN)
     for inj in rec.injections:  # an outage is a stretch, not a moment: a band along every row
         if inj.kind.startswith("store-outage"):
             end = inj.mono + float(inj.kind.split(":", 1)[1])
             for n in range(nodes):
                 c.rect(x(inj.mono), y(n), x(end), y(n) + 3, ORANGE)
-                c.rect(x(inj.mono), y(n) + row_h - 3, x(end), y(n) + row_h, ORANGE)
+                c.rect(x(inj.mono), y(n) + _ROW_H - 3, x(end), y(n) + _ROW_H, ORANGE)
     for inj in rec.injections:
         if inj.kind.startswith("store-outage"):
             continue
         kind, _, idx = inj.target.partition(":")
         n = int(idx) if kind == "node" else int(idx) // max(1, nproc) if kind == "rank" else -1
         if 0 <= n < nodes:
-            c.rect(x(inj.mono) - 2, y(n) - 3, x(inj.mono) + 3, y(n) + row_h + 3, RED)
-    _axis(c, rec, x, y(nodes) + 2, left, width, span)
+            c.rect(x(inj.mono) - 2, y(n) - 3, x(inj.mono) + 3, y(n) + _ROW_H + 3, RED)
+    _axis(c, rec, x, y(nodes) + 2, _LEFT, width, max(1e-6, rec.ended - rec.started))
     path.write_bytes(c.png())
     return path

@@ -34,7 +34,7 @@ class Outcome(NamedTuple):
     code: int
     checksum: str | None
     generations: list[dict[int, int]]  # worker PIDs per generation
-    took_ms: list[float]  # each in-place recovery, as the agent saw it
+    took_ms: list[float]  # each in-place recovery: agent saw the failure -> group re-formed
     crash_to_resumed: float | None  # seconds from the crash line to the last rank's "resumed"
 
 
@@ -113,8 +113,10 @@ def main() -> int:
     else:
         for g, (before, after) in enumerate(zip(gens, gens[1:]), 1):
             new = sorted(r for r in after if after[r] != before[r])
-            print(f"generation {g}: replaced rank(s) {new}; the other {len(after) - len(new)} kept their PIDs"
-                  f" (recovered in {took[g - 1]:.0f} ms, as the agent saw it)" if g <= len(took) else "")
+            when = (f" (re-formed {took[g - 1]:.0f} ms after the agent saw the failure)"
+                    if g <= len(took) else "")
+            print(f"generation {g}: replaced rank(s) {new}; "
+                  f"the other {len(after) - len(new)} kept their PIDs{when}")
             ok = ok and len(new) == 1
     ours, theirs = faulty.crash_to_resumed, torchrun.crash_to_resumed
     if ours is not None and theirs is not None and torchrun.code == 0:

@@ -3,10 +3,11 @@ step by step, so orderings the launcher only hits under load are hit every time.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
-from elastictk.inplace.protocol import ready_key
+from elastictk.inplace.protocol import ready_key, ready_value
 from elastictk.store import FileStore, TCPStore
 from elastictk.supervisor.inplace import InPlaceRound
 from elastictk.supervisor.inplace_setup import Setup
@@ -45,6 +46,35 @@ def test_a_failure_after_the_generation_formed_is_charged_even_before_the_agent_
             assert "inplace_fallback" not in kinds
             assert kinds.index("inplace_recovered") < len(kinds) - 1
             assert kinds[-1] == "worker_failed" and events[-1][1]["local_rank"] == 1
+        finally:
+            rnd.close()
+            group.stop(grace=5)
+    job.close()
+    server.close()
+
+
+def test_a_recovery_is_timed_to_when_the_group_formed_not_to_when_the_agent_noticed(
+        tmp_path: Path) -> None:
+    """The agent's watcher re-arms every 0.1 s and its monitor may be busy: ``took_ms`` comes
+    from the ready key's stamp, so a late look does not lengthen the recovery it reports."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    server = TCPStore.serve("127.0.0.1", 0)
+    job = FileStore(tmp_path / "job")
+    spec = WorkerSpec(["/bin/sh", "-c", "exec sleep 600"], local_world_size=2)
+    setup = Setup(f"127.0.0.1:{server.port}", "round1", 0, False)
+    with WorkerGroup(spec, tmp_path / "logs") as group:
+        group.start(0, assignment(group_rank=0, nodes=1))
+        rnd = InPlaceRound(group, job, RestartPolicy(max_restarts=3), setup, 2, {"n0": 0},
+                           emit=lambda kind, **kw: events.append((kind, kw)))
+        try:
+            group.signal_one(0, signal.SIGKILL)
+            assert rnd.on_failures(group.wait_any(timeout=30))
+            rnd.store.set(ready_key(1), ready_value(time.time()))  # formed now...
+            time.sleep(0.5)  # ...and seen half a second later
+            assert not rnd.poll()
+            recovered = [kw for k, kw in events if k == "inplace_recovered"]
+            assert len(recovered) == 1 and recovered[0]["generation"] == 1
+            assert 0 <= recovered[0]["took_ms"] < 300, recovered
         finally:
             rnd.close()
             group.stop(grace=5)

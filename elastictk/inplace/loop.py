@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .protocol import (
     ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
-    is_peer_failure, joined_key, pg_prefix, ready_key, shard,
+    is_peer_failure, joined_key, pg_prefix, ready_key, ready_value, shard,
 )
 from .state import State
 
@@ -242,7 +242,7 @@ class Session:
                 continue
             self._fresh = False
             if self.store.add(joined_key(gen.gen), 1) == gen.world_size:
-                self.store.set(ready_key(gen.gen), b"1")
+                self.store.set(ready_key(gen.gen), ready_value(time.time()))
             return Context(self.rank, gen.world_size, gen.gen, gen.restart_count,
                            recovered=after is not None)
 

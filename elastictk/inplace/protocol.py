@@ -11,7 +11,9 @@ prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
                          rank 0 wrote a ``finished`` record there first: the job ended
     g<G>/pg/...          the process group's own store keys (a fresh prefix per generation)
     g<G>/joined          counter of workers that formed G's group and synced the state
-    g<G>/ready           set by the last of them: generation G trains
+    g<G>/ready           set by the last of them: generation G trains; the value is the wall
+                         time it did (``ready_value``), so the agent times a recovery to the
+                         moment the group formed, not to when its watcher noticed
     g<G>/error           the first worker whose collective failed in G says so here
 
 Plain JSON, no torch: the agent reads this module without importing torch.
@@ -45,6 +47,18 @@ def joined_key(g: int) -> str:
 
 def ready_key(g: int) -> str:
     return f"g{g}/ready"
+
+
+def ready_value(at: float) -> bytes:
+    return repr(at).encode()
+
+
+def ready_time(value: bytes | None) -> float | None:
+    """When the generation formed (wall clock), or None for a value that does not say."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def error_key(g: int) -> str:

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
-    ready_key,
+    ready_key, ready_time,
 )
 from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
 from .inplace_setup import Setup
@@ -113,7 +113,8 @@ class InPlaceRound:
         self.decision: Optional[Decision] = None  # the charge of the recovery in flight
         self.failures: list[WorkerResult] = []
         self.deadline: Optional[float] = None
-        self._recovery_started = 0.0
+        self._recovery_started = 0.0  # monotonic, and the same moment by the wall clock:
+        self._recovery_wall = 0.0  # the workers stamp the ready key with the wall clock
         self.pending: Optional[int] = None  # the generation being formed
         self._pending_kind = "inplace_recovered"
         self._lock = threading.Lock()
@@ -188,7 +189,7 @@ class InPlaceRound:
 
     def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:
-            self._recovery_started = time.monotonic()
+            self._started(time.monotonic())
         self.deadline = time.monotonic() + (self.reform_timeout if timeout is None else timeout)
 
     # -- what the agent's monitor calls -------------------------------------------------------
@@ -251,7 +252,7 @@ class InPlaceRound:
             self._ready.clear()
             self._errors.clear()
             if self.deadline is None:
-                self._recovery_started = t0
+                self._started(t0)
             self._begin_deadline()
         self.emit("inplace_recovery", generation=self.gen, restart_count=decision.restart_count,
                   replaced=pids, spawn_ms=round((time.monotonic() - t0) * 1000, 1))
@@ -287,10 +288,26 @@ class InPlaceRound:
         except StoreError:
             return False
 
+    def _started(self, at: float) -> None:
+        self._recovery_started = at
+        self._recovery_wall = time.time() - (time.monotonic() - at)
+
+    def _took(self, g: int) -> float:
+        """Seconds from the recovery's start until generation ``g`` formed: the ready key's
+        stamp when it has one, since this agent may notice it a watcher re-arm (0.1 s) late."""
+        took = time.monotonic() - self._recovery_started
+        try:
+            formed = ready_time(self.store.try_get(ready_key(g)))
+        except StoreError:
+            formed = None
+        if formed is not None:  # another host's clock may be off: never beyond what we saw
+            took = min(took, max(0.0, formed - self._recovery_wall))
+        return took
+
     def _complete_pending(self) -> None:
+        assert self.pending is not None
         self.emit(self._pending_kind, generation=self.pending, pids=self.group.pids(),
-                  world_size=self.world_size,
-                  took_ms=round((time.monotonic() - self._recovery_started) * 1000, 1))
+                  world_size=self.world_size, took_ms=round(self._took(self.pending) * 1000, 1))
         with self._lock:
             self.deadline = self.pending = None
             self._ready.clear()

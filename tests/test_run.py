@@ -169,3 +169,55 @@ def test_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     r = run("--standalone", str(tmp_path / "nope.py"))
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "nope.py" in r.stderr and "Traceback" not in r.stderr
+
+
+PRELOAD_RUN = """
+import json, sys
+from elastictk.cli import parse_or_exit
+from elastictk.run import build_agent, start_preload
+config = parse_or_exit(sys.argv[1:])
+server = start_preload(config)
+try:
+    agent, handle = build_agent(config, preload_server=server)
+    try:
+        result = agent.run()
+    finally:
+        handle.close()
+    import psutil
+    print(json.dumps({"code": result.exit_code, "server": server.pid,
+                      "server_alive": psutil.pid_exists(server.pid)}))
+finally:
+    server.close()
+"""
+
+
+def test_workers_fork_from_the_preload_server_the_launcher_started_first(tmp_path: Path) -> None:
+    """``elastictk-run`` starts the fork server before it imports torch itself, so the two
+    imports overlap; the agent must then fork from that server (not start a second one) and
+    leave it to its owner."""
+    script = tmp_path / "ppid.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(str(os.getppid()))\n")
+    out = tmp_path / "ppid"
+    p = subprocess.run([sys.executable, "-c", PRELOAD_RUN, "--standalone", "--nproc-per-node", "1",
+                        "--log-dir", str(tmp_path / "logs"), str(script), str(out)],
+                       cwd=ROOT, text=True, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["code"] == 0 and seen["server_alive"]
+    assert int(out.read_text()) == seen["server"]
+
+
+@pytest.mark.parametrize("flags, preloads", [((), True), (("--start-method", "spawn"), False),
+                                             (("--no-python",), False)])
+def test_the_launcher_starts_a_preload_server_only_for_forked_python_workers(
+        flags: tuple[str, ...], preloads: bool) -> None:
+    from elastictk.cli import parse_or_exit
+    from elastictk.run import start_preload
+
+    config = parse_or_exit(["--standalone", *flags, "/bin/true" if "--no-python" in flags else WORKER])
+    server = start_preload(config)
+    try:
+        assert (server is not None) == preloads
+    finally:
+        if server is not None:
+            server.close()

@@ -306,3 +306,14 @@ def test_preloaded_worker_killed_by_signal_and_restarted_from_the_same_server(
             assert g.stop(grace=30)[0].signal_name == "SIGTERM"
     assert server.pid is not None and os.kill(server.pid, 0) is None  # shared server lives on
 
+
+
+def test_closing_a_server_that_is_still_importing_kills_it_at_once() -> None:
+    """It has no children yet, so there is nothing to wait for: a launch that fails before its
+    first worker (a bad store address) exits without sitting out torch's import."""
+    s = PreloadServer()  # torch: seconds to import
+    s.start()
+    proc = s._proc
+    assert proc is not None
+    s.close()
+    assert proc.returncode == -9

@@ -26,6 +26,7 @@ from .address import is_ip, local_address
 from .coordination import Decision, RoundCoordinator, restart_count
 from .env import Assignment, NodeRanks, assign_ranks
 from ..inplace.protocol import Generation, round_prefix
+from .forkserver import PreloadServer
 from .group import WorkerGroup
 from .inplace import InPlaceRound
 from .inplace_setup import InPlaceHost, started_key
@@ -82,8 +83,10 @@ class _Outcome:
 class ElasticAgent:
     """Runs one node of a job until it succeeds, gives up, or is told to stop."""
 
-    def __init__(self, config: AgentConfig, store: Store, *, store_endpoint: str | None = None) -> None:
+    def __init__(self, config: AgentConfig, store: Store, *, store_endpoint: str | None = None,
+                 preload_server: PreloadServer | None = None) -> None:
         self.config = config
+        self._preload_server = preload_server  # the caller's, started early (it owns it)
         self.store = store
         self.node_id = config.node_id
         self._store_endpoint = store_endpoint
@@ -110,7 +113,7 @@ class ElasticAgent:
         self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
                                  on_expiry=self._wake)
         spec = replace(cfg.spec, env=self.watchdog.worker_env(cfg.spec.env))
-        self.group = WorkerGroup(spec, cfg.log_dir)
+        self.group = WorkerGroup(spec, cfg.log_dir, preload_server=self._preload_server)
         self._install_signals()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous

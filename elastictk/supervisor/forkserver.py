@@ -264,9 +264,13 @@ class PreloadServer:
         return int(reply["pid"])
 
     def close(self, timeout: float = 10.0) -> None:
-        """Shut the server down (it kills any child still running) and reap it."""
+        """Shut the server down (it kills any child still running) and reap it; one still
+        importing has no children and would only make the caller wait: it is killed."""
         sock, self._sock = self._sock, None
         proc, self._proc = self._proc, None
+        ready, self._ready = self._ready, None
+        if proc is not None and ready is None and proc.poll() is None:
+            proc.kill()
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

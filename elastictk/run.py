@@ -106,13 +106,14 @@ def worker_start_method(config: LaunchConfig) -> str:
     return "preload"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one node of a job; returns the exit code (the console script exits with it)."""
+def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
+    """Run one node of a job; returns the exit code (the console script exits with it).
+    ``exits``: the caller ends the process with ``os._exit`` at once (see console_main)."""
     config = parse_or_exit(list(sys.argv[1:] if argv is None else argv))
     _setup_logging()
     server = start_preload(config)
     try:
-        result = _run(config, server)
+        result = _run(config, server, join_watchers=not exits)
     finally:
         if server is not None:
             server.close()
@@ -132,7 +133,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .supervisor.forkserver import PreloadServer
 
 
-def _run(config: LaunchConfig, server: "PreloadServer | None") -> "AgentResult | None":
+def _run(config: LaunchConfig, server: "PreloadServer | None", *,
+         join_watchers: bool) -> "AgentResult | None":
     """The agent's run, or None after printing why it could not start."""
     from .metrics import Telemetry, TelemetryError
     from .store import StoreError
@@ -148,6 +150,7 @@ def _run(config: LaunchConfig, server: "PreloadServer | None") -> "AgentResult |
         except StoreError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return None
+        agent.config.join_watchers = join_watchers
         try:
             return agent.run()
         finally:
@@ -157,7 +160,7 @@ def _run(config: LaunchConfig, server: "PreloadServer | None") -> "AgentResult |
 
 
 def console_main() -> None:
-    code = main()
+    code = main(exits=True)
     # Exit without interpreter teardown: watch threads may still sit inside a C++ store call
     # (a wait on a store that went away, or on a cut link), and finalizing Python under them
     # aborts the process ("terminate called without an active exception") instead of exiting

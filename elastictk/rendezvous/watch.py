@@ -71,6 +71,10 @@ class MembershipWatch:
                 return
 
     def _signal(self, reason: str) -> None:
+        if self._stop.is_set():
+            # Stopped: nobody listens, and the callback's target may be gone (an agent that
+            # returned without waiting for this thread has closed its worker group).
+            return
         self.reason = reason
         self.changed.set()
         if self._on_change is not None:

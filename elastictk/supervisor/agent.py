@@ -61,6 +61,11 @@ class AgentConfig:
     collective_timeout: float | None = None  # put every torch.distributed call under a timer
     recovery: str = "restart-all"  # or "in-place" (see supervisor/inplace.py)
     reform_timeout: float = 30.0  # in-place: longest wait for survivors to re-form
+    # Whether run() returns only once its store-watching threads ended (each may sit up to a
+    # heartbeat interval in a store wait). Needed where the process goes on or exits normally:
+    # finalizing Python under a thread inside a c10d call aborts it. elastictk-run ends with
+    # os._exit right after, so it does not wait (a job's exit is up to a second sooner).
+    join_watchers: bool = True
 
 
 @dataclass
@@ -133,10 +138,10 @@ class ElasticAgent:
             self.group.close()
             self.watchdog.close()
             # Watch threads were stopped without waiting (a failure must not wait for them);
-            # they end within a wait interval. The process must not exit while one is inside
-            # a c10d call: tearing the client down under it aborts the interpreter.
+            # they end within a wait interval. The process must not exit normally while one is
+            # inside a c10d call (see AgentConfig.join_watchers).
             for w in self._lingering:
-                w.stop(wait=True)
+                w.stop(wait=self.config.join_watchers)
             if self._inplace_host is not None:
                 self._inplace_host.close()
             try:

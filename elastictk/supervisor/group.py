@@ -292,8 +292,11 @@ class WorkerGroup:
 
     def wake(self) -> None:
         """Make a blocked ``wait_any`` return now. Safe from any thread or signal handler."""
+        fd = self._wake_w
+        if fd < 0:
+            return  # closed: a late watch thread must not write into a reused fd number
         try:
-            os.write(self._wake_w, b"\0")
+            os.write(fd, b"\0")
         except (BlockingIOError, OSError):
             pass
 
@@ -470,8 +473,9 @@ class WorkerGroup:
                 release_subreaper()
                 self._subreaper_held = False
             self._sel.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+            os.close(wake_r)
+            os.close(wake_w)
 
     def _check_not_closed(self) -> None:
         if self._closed:

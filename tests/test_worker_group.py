@@ -317,3 +317,26 @@ def test_closing_a_server_that_is_still_importing_kills_it_at_once() -> None:
     assert proc is not None
     s.close()
     assert proc.returncode == -9
+
+
+def test_wake_after_close_writes_into_no_reused_fd(tmp_path: Path) -> None:
+    """A watch thread may call wake() after the agent closed its group; the fd numbers of the
+    group's wake pipe are free by then and may belong to a file or socket opened since."""
+    g = WorkerGroup(WorkerSpec(["/bin/true"]), tmp_path / "logs")
+    old_w = g._wake_w
+    g.close()
+    r, w = os.pipe()
+    try:
+        if w != old_w:  # make the old number (free: nothing else opened it) the write end
+            with pytest.raises(OSError):
+                os.fstat(old_w)
+            os.dup2(w, old_w)
+            os.close(w)
+            w = old_w
+        g.wake()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(r)
+        os.close(w)

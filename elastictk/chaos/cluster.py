@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics.events import read_events
 from ..store import free_port
-from ..store.etcd_server import _die_with_parent
+from ..supervisor.reaper import dies_with_caller
 
 BACKENDS = ("c10d", "etcd")
 
@@ -102,7 +102,7 @@ class Cluster:
         # a chaos run killed by its caller leaves no cluster behind.
         proc = subprocess.Popen(self.argv(node, events), env=self.env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=_die_with_parent(os.getpid()))
+                                preexec_fn=dies_with_caller())
         inc = Incarnation(node, number, proc, events, time.monotonic())
         inc.readers = [threading.Thread(target=self._read, args=(proc.stdout, inc.out, True), daemon=True),
                        threading.Thread(target=self._read, args=(proc.stderr, inc.err, False), daemon=True)]

@@ -7,14 +7,11 @@ its HTTP API (``/api/v1/query``), the way a dashboard or an alert rule sees the 
 """
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -23,10 +20,10 @@ from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from ..store.endpoint import free_port
+from ..supervisor.reaper import dies_with_caller
 
 INSTALL_HINT = ("install it with `apt-get install prometheus` (2.x), or point ELASTICTK_PROMETHEUS "
                 "at a prometheus binary")
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class PrometheusNotInstalled(RuntimeError):
@@ -44,18 +41,6 @@ def find_prometheus(binary: str | os.PathLike[str] | None = None) -> str:
             return str(candidate)
     where = f"at {chosen}" if chosen else "on PATH or at /usr/bin/prometheus"
     raise PrometheusNotInstalled(f"no prometheus binary {where}; {INSTALL_HINT}")
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    sig = int(signal.SIGKILL)
-
-    def apply() -> None:  # between fork and exec: async-signal-safe work only
-        if _PRCTL is not None:
-            _PRCTL(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return apply
 
 
 def _duration(seconds: float) -> str:
@@ -132,7 +117,7 @@ class PrometheusServer:
             self._proc = subprocess.Popen(
                 self.command(), cwd=self.root, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=dies_with_caller(),
             )
 
     def _wait_ready(self) -> None:

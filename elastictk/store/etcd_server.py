@@ -11,29 +11,26 @@ members of the same data.
 """
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .base import Deadline
 from .endpoint import Endpoint, free_port
+from ..supervisor.reaper import dies_with_caller
 
 INSTALL_HINT = (
     "install it with `apt-get install etcd-server` (etcd 3.4+), or point ELASTICTK_ETCD at an "
     "etcd binary"
 )
-_PR_SET_PDEATHSIG = 1
 # Resolved once here, so the forked child (before exec) only calls it: no dlopen, no lookup.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class EtcdNotInstalled(RuntimeError):
@@ -53,24 +50,6 @@ def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
             return str(candidate)
     where = f"at {chosen}" if chosen else "on PATH or at /usr/bin/etcd"
     raise EtcdNotInstalled(f"no etcd binary {where}; {INSTALL_HINT}")
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """preexec_fn: have the kernel SIGKILL the child when its parent (thread) exits.
-
-    The signal follows the *thread* that forked, so start servers from a long-lived thread
-    (normally the main one). The function does as little as it can: between fork and exec
-    only async-signal-safe work is safe in a process that has other threads.
-    """
-    sig = int(signal.SIGKILL)
-
-    def apply() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return apply
 
 
 def _last_error(log: Path) -> str:
@@ -184,7 +163,7 @@ class EtcdServer:
             self._proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, close_fds=True, start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=dies_with_caller(),
             )
 
     def wait_ready(self, timeout: float | None = None) -> None:

@@ -210,9 +210,7 @@ class PreloadServer:
     def start(self) -> None:
         if self._proc is not None:
             return
-        from functools import partial
-
-        from .reaper import die_with_parent
+        from .reaper import dies_with_caller
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         code = ("import sys; from elastictk.supervisor.forkserver import serve; "
@@ -222,7 +220,7 @@ class PreloadServer:
                 [sys.executable, "-c", code, str(theirs.fileno()), *self.preload],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True,
-                preexec_fn=partial(die_with_parent, os.getpid(), int(signal.SIGKILL)),
+                preexec_fn=dies_with_caller(),
             )
         finally:
             theirs.close()

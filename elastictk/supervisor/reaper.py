@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import select
 import signal
 import time
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 if TYPE_CHECKING:
     import psutil
@@ -108,6 +109,12 @@ def die_with_parent(expected_parent: int, sig: int) -> None:
     if not parent_is(expected_parent):  # the parent died before the prctl took effect
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
+
+
+def dies_with_caller() -> "Callable[[], None]":
+    """A ``preexec_fn`` for helper servers (etcd, prometheus, launched agents): the child is
+    SIGKILLed when the thread calling this exits, so start it from a long-lived thread."""
+    return functools.partial(die_with_parent, os.getpid(), int(signal.SIGKILL))
 
 
 # -- agent side --------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ def build_agent(config: LaunchConfig, telemetry: "Telemetry | None" = None, *,
         entrypoint=config.entrypoint, local_world_size=config.nproc_per_node, role=config.role,
         start_method=method, redirects=config.redirects, tee=config.tee,
         local_ranks_filter=config.local_ranks_filter, grace_period=config.grace_period,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
         log_line_prefix_template=config.log_line_prefix_template,
         env=telemetry.worker_env() if telemetry is not None else {},
     )

@@ -129,12 +129,18 @@ def assert_same_as_torch(argv: list[str], ours: LaunchConfig) -> None:
     ]
     assert ours.virtual_local_rank == ref.virtual_local_rank
     assert ours.grace_period == ref.shutdown_timeout
+    # torch keeps an empty item ('' is in every line: all lines duplicated); elastictk drops
+    # it, as torch's help promises ("an empty filters list won't duplicate any lines").
+    for mine, theirs in ((ours.duplicate_stdout_filters, ref.duplicate_stdout_filters),
+                         (ours.duplicate_stderr_filters, ref.duplicate_stderr_filters)):
+        assert mine == tuple(f for f in theirs or () if f)
 
 
 @pytest.mark.parametrize("change", [
     {"max_nodes": 2}, {"nproc_per_node": 2}, {"rdzv_endpoint": Endpoint("localhost", 1)},
     {"entrypoint": ["python", SCRIPT]}, {"redirects": {0: Std.ALL}}, {"grace_period": 5.0},
     {"signals_to_handle": (signal.SIGTERM,)}, {"start_method": "fork"},
+    {"duplicate_stdout_filters": ("a",)}, {"duplicate_stderr_filters": ("a",)},
 ])
 def test_the_torch_comparison_notices_a_difference(workdir: Path, change: dict[str, Any]) -> None:
     ours = dataclasses.replace(parse_args([SCRIPT]), **change)
@@ -183,6 +189,8 @@ SAMPLES: list[list[str]] = [
     ["--nproc-per-node", "auto", SCRIPT],
     ["--event-log-handler", "null", SCRIPT],
     ["--nnodes", "1", "--rdzv-id", "ignored", SCRIPT],
+    ["--tee", "3", "--duplicate-stdout-filters", "apple,or,,ange", SCRIPT],
+    ["-t", "2", "--duplicate_stderr_filters=,,x,,,y,", "--duplicate-stdout-filters", "", SCRIPT],
 ]
 
 
@@ -214,6 +222,8 @@ def test_same_settings_as_torchrun(workdir: Path, sample: list[str]) -> None:
         {"PET_VIRTUAL_LOCAL_RANK": "1", "PET_LOCAL_ADDR": "127.0.0.1"},
         {"PET_RUN_PATH": "1"},
         {"PYTHON_EXEC": "/opt/python3"},
+        {"PET_TEE": "3", "PET_DUPLICATE_STDOUT_FILTERS": "a,,b,c",
+         "PET_DUPLICATE_STDERR_FILTERS": "err"},
     ],
     ids=lambda e: ",".join(e),
 )
@@ -332,7 +342,6 @@ BAD: list[tuple[list[str], str]] = [
     (["--master-addr", "host:1234", SCRIPT], "without a port"),
     (["--logs-specs", "x", SCRIPT], "--logs-specs is not supported"),
     (["--numa-binding", "node", SCRIPT], "--numa-binding is not supported"),
-    (["--duplicate-stdout-filters", "a,b", SCRIPT], "--duplicate-stdout-filters is not supported"),
     (["--event-log-handler", "console", SCRIPT], "use --event-log PATH"),
     (["--recovery", "retry", SCRIPT], "use one of restart-all, in-place"),
     (["--restart-intensity", "3", SCRIPT], "write R/T"),
@@ -581,3 +590,11 @@ def test_etcd_endpoint_lists_every_cluster_member(workdir: Path) -> None:
     assert config.rdzv_endpoint == Endpoint("10.0.0.1", 2379)
     code, err, _ = main_for_test(["--rdzv-backend", "etcd", "--rdzv-endpoint", "a:1,b:x", "--nnodes", "2", "t.py"])
     assert code == 2 and "b:x" in err and len(err.strip().splitlines()) == 1
+
+
+def test_duplicate_filters_without_tee_warn_with_the_fix(workdir: Path) -> None:
+    config = parse_args(["--duplicate-stderr-filters", "x", "-t", "1", SCRIPT])
+    assert config.duplicate_stderr_filters == ("x",)
+    (line,) = config.warnings
+    assert "--duplicate-stderr-filters" in line and "--tee 2" in line
+    assert not parse_args(["--duplicate-stdout-filters", "x", "-t", "0:1", SCRIPT]).warnings

@@ -221,3 +221,41 @@ def test_the_launcher_starts_a_preload_server_only_for_forked_python_workers(
     finally:
         if server is not None:
             server.close()
+
+
+FILTER_WORKER = """
+import os, sys, time
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"apple {rank} {attempt}", flush=True)
+print(f"pear {rank} {attempt}", flush=True)
+print(f"or,ange {rank} {attempt}", flush=True)
+print(f"warn: apple {rank} {attempt}", file=sys.stderr, flush=True)
+if attempt == "0":
+    time.sleep(1.0 if rank == "0" else 30)  # rank 0 fails; rank 1 is stopped by the restart
+    sys.exit(1)
+"""
+
+
+def _filtered(log_dir: Path) -> dict[str, list[str]]:
+    return {f"{p.parent.name}/{p.name}": sorted(p.read_text().splitlines())
+            for p in sorted(log_dir.glob("*/attempt_*/filtered_*.log"))}
+
+
+def test_duplicate_filters_write_the_files_torchrun_writes(tmp_path: Path) -> None:
+    """Per attempt, ``filtered_{stdout,stderr}.log`` hold the tee'd lines with a filter string,
+    prefixed, from every rank: line for line what torchrun writes for the same flags."""
+    script = tmp_path / "filters.py"
+    script.write_text(FILTER_WORKER)
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--tee", "3",
+             "--duplicate-stdout-filters", "apple,or,,ange", "--duplicate-stderr-filters", "warn"]
+    r = run(*flags, "--start-method", "spawn", "--log-dir", str(tmp_path / "ours"), str(script))
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", *flags,
+                        "--log-dir", str(tmp_path / "torch"), str(script)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert t.returncode == 0, t.stderr[-3000:]
+    ours, theirs = _filtered(tmp_path / "ours"), _filtered(tmp_path / "torch")
+    assert ours["attempt_1/filtered_stdout.log"] == [
+        "[default0]:apple 0 1", "[default0]:or,ange 0 1",
+        "[default1]:apple 1 1", "[default1]:or,ange 1 1"]
+    assert ours == theirs

@@ -340,3 +340,24 @@ def test_wake_after_close_writes_into_no_reused_fd(tmp_path: Path) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_filtered_log_gathers_every_rank_and_an_in_place_replacement(tmp_path: Path) -> None:
+    text = ("import os\nr = os.environ['LOCAL_RANK'], os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+            "print('hit', *r)\nprint('miss', *r)\nprint('last hit, no newline', *r, end='')\n")
+    spec = WorkerSpec(python_script_argv(script(tmp_path, text)), local_world_size=2,
+                      tee=Std.OUT, duplicate_stdout_filters=("hit",))
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        with WorkerGroup(spec, tmp_path / "logs", console=(null, null)) as g:
+            g.start(0, assignment())
+            assert all(r.exitcode == 0 for r in g.wait(timeout=60).values())
+            g.respawn(1, 1, "gen_1")  # in place: its lines join the attempt's filtered file
+            assert g.wait(timeout=60)[1].exitcode == 0
+            assert g.attempt_dir is not None
+            lines = sorted((g.attempt_dir / "filtered_stdout.log").read_text().splitlines())
+            assert not (g.attempt_dir / "filtered_stderr.log").exists()
+    finally:
+        os.close(null)
+    assert lines == sorted(f"[default{lr}]:{m} {lr} {c}" for lr, c in ((0, 0), (1, 0), (1, 1))
+                           for m in ("hit", "last hit, no newline"))

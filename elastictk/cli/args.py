@@ -43,8 +43,6 @@ class _Flag(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-_UNSUPPORTED = "not supported"  # torchrun flags accepted by the parser and refused by name
-
 # (flags, is_switch, help). Every value is read as text; config_from_namespace types it.
 _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--nnodes",), False, "number of nodes, N or MIN:MAX (default 1:1)"),
@@ -80,8 +78,11 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("-t", "--tee"), False, "streams to log files and console (forms as --redirects)"),
     (("--local-ranks-filter", "--local_ranks_filter"), False,
      "only show these local ranks on the console, e.g. 0,1"),
-    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), False, _UNSUPPORTED),
-    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), False, _UNSUPPORTED),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), False,
+     "also copy tee'd stdout lines holding any of these strings (a,b; ',,' is a comma) to "
+     "filtered_stdout.log in the attempt's log dir"),
+    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), False,
+     "the same for stderr, to filtered_stderr.log"),
     (("--node-rank", "--node_rank"), False, "this node's rank (static backend only; default 0)"),
     (("--master-addr", "--master_addr"), False, "master host (static backend; default 127.0.0.1)"),
     (("--master-port", "--master_port"), False, "master port (static backend; default 29500)"),
@@ -130,11 +131,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             name = prefix + dest.upper()
             raw = env.get(name)
             default: Any = EnvText(raw, name) if raw else (False if switch else None)
-            shown = argparse.SUPPRESS if help_text == _UNSUPPORTED else help_text
             if switch:
-                parser.add_argument(*flags, action=_Flag, dest=dest, default=default, help=shown)
+                parser.add_argument(*flags, action=_Flag, dest=dest, default=default, help=help_text)
             else:
-                parser.add_argument(*flags, dest=dest, default=default, help=shown)
+                parser.add_argument(*flags, dest=dest, default=default, help=help_text)
     for flags in _TORCH_NO_ENV:  # parsed only to be refused by name, not with "unrecognized"
         parser.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS)
     parser.add_argument("training_script", help="the script (or module, or program) to run")

@@ -63,6 +63,8 @@ class LaunchConfig:
     redirects: dict[int, Std] = field(default_factory=dict)
     tee: dict[int, Std] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
     node_rank: int = 0
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT

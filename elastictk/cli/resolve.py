@@ -20,9 +20,9 @@ from .config import (
     DEFAULT_MASTER_PORT, LaunchConfig, validate,
 )
 from .values import (
-    RECOVERY_MODES, START_METHODS, EnvText, UsageError, expand_std, label, parse_backend,
+    RECOVERY_MODES, START_METHODS, EnvText, Std, UsageError, expand_std, label, parse_backend,
     parse_bool, parse_choice, parse_int, parse_intensity, parse_nnodes, parse_nproc, parse_port,
-    parse_ranks, parse_rdzv_conf, parse_seconds, parse_signals, parse_std,
+    parse_filters, parse_ranks, parse_rdzv_conf, parse_seconds, parse_signals, parse_std,
 )
 
 PROG = "elastictk-run"
@@ -77,9 +77,7 @@ def config_from_namespace(
     def at(dest: str, flag: str) -> str:
         return label(flag, getattr(ns, dest))
 
-    for dest, flag in (("logs_specs", "--logs-specs"), ("numa_binding", "--numa-binding"),
-                       ("duplicate_stdout_filters", "--duplicate-stdout-filters"),
-                       ("duplicate_stderr_filters", "--duplicate-stderr-filters")):
+    for dest, flag in (("logs_specs", "--logs-specs"), ("numa_binding", "--numa-binding")):
         if getattr(ns, dest):
             raise UsageError(f"{flag} is not supported by {PROG}; leave it out")
     if ns.event_log_handler is not None and ns.event_log_handler.strip() != "null":
@@ -196,6 +194,13 @@ def config_from_namespace(
 
     redirects = parse_std(ns.redirects or "0", at("redirects", "--redirects"))
     tee = parse_std(ns.tee or "0", at("tee", "--tee"))
+    filters = {}
+    for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+        filters[name] = parse_filters(getattr(ns, f"duplicate_{name}_filters") or "")
+        tees = tee.values() if isinstance(tee, dict) else [tee]
+        if filters[name] and not any(t & bit for t in tees):
+            warnings.append(f"--duplicate-{name}-filters copies tee'd lines only, and no rank's "
+                            f"{name} is tee'd: add --tee {1 if bit == Std.OUT else 2} (or 3)")
     ranks_filter = parse_ranks(ns.local_ranks_filter or "", at("local_ranks_filter",
                                                                "--local-ranks-filter"))
     local_addr = (None if not ns.local_addr
@@ -228,7 +233,8 @@ def config_from_namespace(
         training_script_args=script_args, module=module, no_python=no_python, run_path=run_path,
         log_dir=ns.log_dir or None,
         redirects=expand_std(redirects, nproc), tee=expand_std(tee, nproc),
-        local_ranks_filter=ranks_filter, node_rank=node_rank, master_addr=master_addr,
+        local_ranks_filter=ranks_filter, duplicate_stdout_filters=filters["stdout"],
+        duplicate_stderr_filters=filters["stderr"], node_rank=node_rank, master_addr=master_addr,
         master_port=master_port, local_addr=local_addr, signals_to_handle=signals,
         virtual_local_rank=_flag_on(ns, "virtual_local_rank", "--virtual-local-rank"),
         grace_period=grace,

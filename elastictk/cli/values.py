@@ -240,6 +240,14 @@ def expand_std(spec: Std | dict[int, Std], nproc: int) -> dict[int, Std]:
     return {rank: spec.get(rank, Std.NONE) for rank in range(nproc)}
 
 
+def parse_filters(text: str) -> tuple[str, ...]:
+    """``apple,orange`` into the strings a duplicated line may hold (torchrun's
+    ``--duplicate-*-filters``: ``,,`` is a literal comma). Empty text, or empty items, match
+    nothing: an empty list duplicates no line, as torchrun's help says."""
+    items = text.replace(",,", "\0").split(",")
+    return tuple(item.replace("\0", ",") for item in items if item)
+
+
 def parse_ranks(text: str, where: str = "--local-ranks-filter") -> frozenset[int] | None:
     """Comma-separated local ranks; empty means no filter (``None``)."""
     if not text.strip():

@@ -38,7 +38,9 @@ from typing import Any, Optional, Sequence, Union
 from .deathwatch import DeathWatch
 from .env import Assignment, worker_env
 from .forkserver import DEFAULT_PRELOAD, PreloadServer
-from .logs import LogPump, RankLogs, claim_run_dir, make_attempt_dir, open_rank_logs
+from .logs import (
+    LogPump, RankLogs, claim_run_dir, line_filters, make_attempt_dir, open_rank_logs,
+)
 from .process import (
     WorkerProcess, acquire_mp_forkserver, release_mp_forkserver, start_multiprocessing,
     start_preloaded, start_subprocess,
@@ -153,7 +155,7 @@ class WorkerGroup:
         self.replaced: list[WorkerResult] = []
         self._stopping = False
         self._open = True
-        pump = self._pump = LogPump(*self._console)
+        pump = self._pump = LogPump(*self._console, filters=line_filters(spec, self.attempt_dir))
         base_env = dict(os.environ)
         try:
             envs = {}
@@ -192,7 +194,7 @@ class WorkerGroup:
         self.replaced.append(self._results.pop(local_rank))
         sub = self.attempt_dir / tag
         sub.mkdir(exist_ok=True)
-        pump = LogPump(*self._console)
+        pump = LogPump(*self._console, filters=line_filters(self.spec, self.attempt_dir))
         self._pumps.append(pump)
         logs = self._logs[local_rank] = open_rank_logs(
             self.spec, sub, local_rank, self._assignment.global_rank(local_rank), pump)

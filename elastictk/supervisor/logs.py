@@ -13,6 +13,9 @@ rank's ``error.json`` beside them. Unlike torchrun, nothing is ever deleted or o
 Redirected streams are written by the worker itself (its fd 1/2 is the file). Tee'd streams go
 through a pipe to one pump thread per attempt that appends each chunk to the file and each line,
 prefixed ``[role<local_rank>]:``, to the agent's console, as it arrives (no file tailing).
+With ``duplicate_*_filters`` the pump also appends the tee'd lines that hold a filter string,
+prefixed the same way, to ``attempt_<n>/filtered_{stdout,stderr}.log`` (one file for all ranks,
+replacements included: torchrun's layout).
 """
 from __future__ import annotations
 
@@ -99,11 +102,39 @@ class RankLogs:
         self._owned.clear()
 
 
-class LogPump:
-    """One thread that copies tee pipes to their files and, prefixed by line, to the console."""
+def line_filters(spec: WorkerSpec, attempt_dir: Path) -> "dict[Std, LineFilter]":
+    """The spec's ``duplicate_*_filters`` as the files an attempt's pumps append matches to."""
+    out = {}
+    for stream, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+        needles = getattr(spec, f"duplicate_{name}_filters")
+        if needles:
+            out[stream] = LineFilter(tuple(n.encode() for n in needles),
+                                     str(attempt_dir / f"filtered_{name}.log"))
+    return out
 
-    def __init__(self, console_out: int = 1, console_err: int = 2) -> None:
+
+@dataclass(frozen=True)
+class LineFilter:
+    """Lines holding any of ``needles`` also go to ``path``."""
+
+    needles: tuple[bytes, ...]
+    path: str
+
+    def pick(self, lines: list[bytes]) -> list[bytes]:
+        return [ln for ln in lines if any(n in ln for n in self.needles)]
+
+
+class LogPump:
+    """One thread that copies tee pipes to their files and, prefixed by line, to the console
+    (and to the filtered files of ``filters``, by stream)."""
+
+    def __init__(self, console_out: int = 1, console_err: int = 2,
+                 filters: "Optional[dict[Std, LineFilter]]" = None) -> None:
         self._console = {Std.OUT: console_out, Std.ERR: console_err}
+        # Appended to, not created exclusively: an in-place replacement's pump shares the file.
+        self._filtered = {stream: (f, os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                                              | os.O_CLOEXEC, 0o644))
+                          for stream, f in (filters or {}).items()}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -115,11 +146,14 @@ class LogPump:
         returns the write end for the worker. Register before ``start``."""
         file_fd = os.open(path, _FILE_FLAGS, 0o644)
         r, w = os.pipe2(os.O_CLOEXEC)
-        self._sel.register(r, selectors.EVENT_READ, _Source(file_fd, self._console[stream], prefix))
+        f = self._filtered.get(stream) if prefix is not None else None
+        self._sel.register(r, selectors.EVENT_READ, _Source(file_fd, self._console[stream], prefix,
+                                                            *(f or (None, -1))))
         return w
 
     def fds(self) -> list[int]:
-        return [k.fd for k in self._sel.get_map().values()] + [self._wake_w]
+        return ([k.fd for k in self._sel.get_map().values()] + [self._wake_w]
+                + [fd for _, fd in self._filtered.values()])
 
     @property
     def active(self) -> bool:
@@ -158,13 +192,21 @@ class LogPump:
             lines = src.partial.split(b"\n")
             src.partial = lines.pop()
             if lines:
-                head = src.prefix.encode()
-                _write_all(src.console_fd, b"".join(head + ln + b"\n" for ln in lines), quiet=True)
+                self._lines(src, lines)
         return True
+
+    def _lines(self, src: "_Source", lines: list[bytes]) -> None:
+        assert src.prefix is not None
+        head = src.prefix.encode()
+        _write_all(src.console_fd, b"".join(head + ln + b"\n" for ln in lines), quiet=True)
+        if src.filter is not None:
+            picked = src.filter.pick(lines)
+            if picked:
+                _write_all(src.filtered_fd, b"".join(head + ln + b"\n" for ln in picked), quiet=True)
 
     def _finish(self, fd: int, src: "_Source") -> None:
         if src.prefix is not None and src.partial:
-            _write_all(src.console_fd, src.prefix.encode() + src.partial + b"\n", quiet=True)
+            self._lines(src, [src.partial])
         self._sel.unregister(fd)
         os.close(fd)
         os.close(src.file_fd)
@@ -186,6 +228,9 @@ class LogPump:
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        for _, fd in self._filtered.values():
+            os.close(fd)
+        self._filtered = {}
         return clean
 
 
@@ -194,6 +239,8 @@ class _Source:
     file_fd: int
     console_fd: int
     prefix: Optional[str]
+    filter: Optional[LineFilter] = None
+    filtered_fd: int = -1
     partial: bytes = b""
 
 

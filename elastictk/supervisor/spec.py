@@ -116,6 +116,9 @@ class WorkerSpec:
     ``tee`` sends them to the file and to the agent's console with a ``[role<local_rank>]:``
     prefix (``log_line_prefix_template`` may use ``${role_name}``, ``${rank}``,
     ``${local_rank}``). ``local_ranks_filter`` limits which ranks reach the console at all.
+    ``duplicate_stdout_filters``/``duplicate_stderr_filters``: tee'd lines holding any of these
+    strings are also appended, prefixed, to ``<attempt dir>/filtered_{stdout,stderr}.log``
+    (all ranks in one file, torchrun's ``--duplicate-*-filters``).
     ``grace_period`` is how long ``stop`` waits after SIGTERM before SIGKILL. ``death_signal``
     is what a worker receives when its agent dies (SIGKILL: a world without its agent cannot
     be restarted, so nothing is gained by letting it linger).
@@ -131,6 +134,8 @@ class WorkerSpec:
     tee: StdSetting = Std.NONE
     local_ranks_filter: Optional[frozenset[int]] = None
     log_line_prefix_template: Optional[str] = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
     grace_period: float = 30.0
     death_signal: int = int(_signal.SIGKILL)
 
@@ -174,6 +179,11 @@ class WorkerSpec:
             object.__setattr__(self, name, value)
         if self.local_ranks_filter is not None:
             object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
+        for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise SpecError(f"{name} must be a sequence of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         try:
             _signal.Signals(self.death_signal)
         except ValueError:

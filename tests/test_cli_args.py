@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastictk.cli import LaunchConfig, Std, UsageError, parse_args, validate
 from elastictk.cli.args import main_for_test
-from elastictk.cli.values import parse_nnodes, parse_rdzv_conf, parse_std
+from elastictk.cli.values import parse_filters, parse_nnodes, parse_rdzv_conf, parse_std
 from elastictk.store.endpoint import Endpoint, free_port
 
 SCRIPT = "train.py"
@@ -598,3 +598,12 @@ def test_duplicate_filters_without_tee_warn_with_the_fix(workdir: Path) -> None:
     (line,) = config.warnings
     assert "--duplicate-stderr-filters" in line and "--tee 2" in line
     assert not parse_args(["--duplicate-stdout-filters", "x", "-t", "0:1", SCRIPT]).warnings
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab,, x\u00e9"), max_size=12))
+def test_duplicate_filters_split_as_torchrun_splits_them(text: str) -> None:
+    """Any text, through torchrun's own parser: the same items, less the empty ones."""
+    theirs = torchrun.get_args_parser().parse_args(
+        [f"--duplicate-stdout-filters={text}", SCRIPT]).duplicate_stdout_filters
+    assert parse_filters(text) == tuple(f for f in theirs if f)

@@ -194,7 +194,7 @@ def config_from_namespace(
 
     redirects = parse_std(ns.redirects or "0", at("redirects", "--redirects"))
     tee = parse_std(ns.tee or "0", at("tee", "--tee"))
-    filters = {}
+    filters: dict[str, tuple[str, ...]] = {}
     for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
         filters[name] = parse_filters(getattr(ns, f"duplicate_{name}_filters") or "")
         tees = tee.values() if isinstance(tee, dict) else [tee]

@@ -104,7 +104,7 @@ class RankLogs:
 
 def line_filters(spec: WorkerSpec, attempt_dir: Path) -> "dict[Std, LineFilter]":
     """The spec's ``duplicate_*_filters`` as the files an attempt's pumps append matches to."""
-    out = {}
+    out: dict[Std, LineFilter] = {}
     for stream, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
         needles = getattr(spec, f"duplicate_{name}_filters")
         if needles:

@@ -46,8 +46,7 @@ from .process import (
     start_preloaded, start_subprocess,
 )
 from .reaper import (
-    acquire_subreaper, reap_orphans, release_subreaper, signal_group, signal_procs, wait_gone,
-    worker_tree,
+    acquire_subreaper, reap_orphans, release_subreaper, signal_group, signal_trees, wait_gone,
 )
 from .spec import WorkerResult, WorkerSpec, parse_python_argv
 
@@ -389,22 +388,8 @@ class WorkerGroup:
                 w.signal(sig)  # not yet its own group leader (a function worker starting up)
 
     def _signal_trees(self, sig: int, sessions: Sequence[int]) -> list[Any]:
-        live = [w for lr, w in self._workers.items() if lr not in self._results]
-        tree = worker_tree([w.pid for w in live], sessions)
-        grouped = {sid for sid in sessions if signal_group(sid, sig)}
-        for w in live:
-            if w.pid not in grouped:
-                w.signal(sig)
-        others = []
-        for p in tree.values():
-            try:
-                if os.getpgid(p.pid) in grouped:
-                    continue
-            except OSError:
-                continue
-            others.append(p)
-        signal_procs(others, sig)
-        return list(tree.values())
+        live = {w.pid: w.signal for lr, w in self._workers.items() if lr not in self._results}
+        return signal_trees(live, sessions, sig)
 
     def stop(self, grace: Optional[float] = None, sig: int = signal.SIGTERM) -> dict[int, WorkerResult]:
         """Stop the attempt: ``sig`` to every worker's whole tree, up to ``grace`` seconds

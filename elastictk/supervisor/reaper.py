@@ -23,7 +23,7 @@ import os
 import select
 import signal
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional
 
 if TYPE_CHECKING:
     import psutil
@@ -183,6 +183,29 @@ def signal_procs(procs: "Iterable[psutil.Process]", sig: int) -> None:
             p.send_signal(sig)
         except psutil.Error:
             pass
+
+
+def signal_trees(live: "Mapping[int, Callable[[int], object]]", sessions: Iterable[int],
+                 sig: int) -> "list[psutil.Process]":
+    """``sig`` to every process of these workers' sessions: each session's process group at
+    once, a worker not yet leading its own group through its own ``live[pid](sig)``, and
+    descendants that left the group one by one. Returns the descendants found (to wait for)."""
+    sessions = list(sessions)
+    tree = worker_tree(list(live), sessions)
+    grouped = {sid for sid in sessions if signal_group(sid, sig)}
+    for pid, send in live.items():
+        if pid not in grouped:
+            send(sig)
+    others = []
+    for p in tree.values():
+        try:
+            if os.getpgid(p.pid) in grouped:
+                continue
+        except OSError:
+            continue
+        others.append(p)
+    signal_procs(others, sig)
+    return list(tree.values())
 
 
 def wait_gone(procs: "Iterable[psutil.Process]", timeout: float) -> "list[psutil.Process]":

@@ -88,15 +88,18 @@ def main() -> None:
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") / GLOBAL_BATCH
         loss.backward()
-        for prm in model.parameters():
-            dist.all_reduce(prm.grad)
-        opt.step()
         if args.trace:
+            # Logged before the all_reduce, not after: once this rank's gradient is in the sum its
+            # peers may commit the step, and a rank killed between the sum and a later write would
+            # leave a committed step that looks as if its samples were never trained.
             part = ctx.shard(GLOBAL_BATCH)
             with open(args.trace, "a") as f:
                 f.write(json.dumps({"step": step, "gen": ctx.generation, "rank": ctx.rank,
                                     "world": ctx.world_size, "pid": os.getpid(),
                                     "samples": [part.start, part.stop]}) + "\n")
+        for prm in model.parameters():
+            dist.all_reduce(prm.grad)
+        opt.step()
         if args.step_time:
             time.sleep(args.step_time)
         print(f"[rank {ctx.rank}] step {step + 1} loss {loss.item() * ctx.world_size:.6f}", flush=True)

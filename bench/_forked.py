@@ -25,7 +25,6 @@ bytes, so the lines of K writers never interleave on the shared pipe.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -35,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from elastictk.supervisor.reaper import die_with_parent
+
 from .common import BenchError
 
-_PR_SET_PDEATHSIG = 1
 _MAX_LINE = 3000  # below PIPE_BUF (4096): one write, never interleaved
 
 
@@ -148,16 +148,6 @@ def run_round(
 
 
 # -- in the children ---------------------------------------------------------------------------
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the benchmark process goes away, however it goes."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # it went before the prctl took effect
-        os._exit(1)
-
-
 def _send(fd: int, msg: dict[str, Any]) -> None:
     data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
     if len(data) > _MAX_LINE:
@@ -190,7 +180,7 @@ def _node_main(
     factory: NodeFactory, port: int, i: int, msg_w: int, start_r: int, finish_r: int,
     timeout: float,
 ) -> int:
-    _die_with_parent(os.getppid())
+    die_with_parent(os.getppid(), signal.SIGKILL)
     _quiet()
     node: Node | None = None
     try:
@@ -222,7 +212,7 @@ def _start_server(factory: ServerFactory, timeout: float) -> tuple[int, int, int
         try:
             os.close(port_r)
             os.close(stop_w)
-            _die_with_parent(parent)
+            die_with_parent(parent, signal.SIGKILL)
             _quiet()
             port, _server = factory()
             os.write(port_w, f"{port}\n".encode())

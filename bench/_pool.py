@@ -12,7 +12,6 @@ pool closes, each client calls ``handler(state, "__exit__", None)`` to release w
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import multiprocessing as mp
 import os
@@ -21,23 +20,16 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
+from elastictk.supervisor.reaper import die_with_parent
+
 from .common import BenchError
 
 Handler = Callable[[dict, str, Any], Any]
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this client when its parent (the forkserver) goes away."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the EOF on the command pipe still ends the client
 
 
 def _client_main(conn: Connection, handler_path: str, owner: int) -> None:
-    _die_with_parent()
+    # SIGKILLed with its parent (the forkserver); a vanished owner is noticed by the poll below.
+    die_with_parent(os.getppid(), signal.SIGKILL)
     module, _, func = handler_path.partition(":")
     handler: Handler = getattr(importlib.import_module(module), func)
     state: dict = {}

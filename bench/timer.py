@@ -22,7 +22,6 @@ deadline. Two measurements, elastictk against torch's ``torch.distributed.elasti
 """
 from __future__ import annotations
 
-import errno
 import os
 import random
 import select
@@ -31,103 +30,13 @@ import statistics
 import time
 from typing import Any, Callable
 
-from ._pool import _die_with_parent
+from ._timer_procs import (await_reader, fork_helper, kill_helper, read_line, serve_etk, serve_file,
+                          serve_local)
 from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, interleaved
 
 TITLE = "Watchdog timers: acquire+release cost and deadline-to-kill latency, elastictk vs torch"
 LONG = 3600.0  # the cost loops' timers never expire
 DEFAULT_ROUNDS = 3  # samples of torch's default intervals (a minute each for LocalTimerServer)
-
-
-# -- helper processes -------------------------------------------------------------------------
-def _fork(body: Callable[[int], None]) -> tuple[int, int]:
-    """Fork a child running ``body(write_fd)``; returns (pid, read_fd). The child never returns."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            _die_with_parent()
-            os.close(r)
-            body(w)
-        except BaseException:  # noqa: BLE001 - a helper must never unwind into the parent's code
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def _read_line(fd: int, timeout: float) -> str:
-    """One line from a helper (byte by byte: the next line must stay in the pipe)."""
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise BenchError(f"a helper process said nothing for {timeout:.0f} s")
-        chunk = os.read(fd, 1)
-        if not chunk:
-            raise BenchError("a helper process exited before it answered")
-        buf += chunk
-    return buf.decode().strip()
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
-
-
-def _await_reader(fifo: str, timeout: float = 30.0) -> None:
-    """Until a FileTimerServer reads ``fifo`` (before that its client's open fails with ENXIO
-    and torch retries, logging a traceback each time)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENXIO, errno.ENOENT) or time.monotonic() > deadline:
-                raise BenchError(f"torch's FileTimerServer never opened {fifo}: {e}") from None
-            time.sleep(0.005)
-
-
-def _serve_etk(w: int, watch_pid: int) -> None:
-    from elastictk.timer import TimerServer
-
-    server = TimerServer(1)
-    server.watch_worker(0, watch_pid)
-    os.write(w, f"{server.path}\n".encode())
-    signal.pause()
-
-
-def _serve_local(queue: Any) -> Callable[[int], None]:
-    def body(w: int) -> None:
-        from torch.distributed.elastic.timer import LocalTimerServer
-
-        LocalTimerServer(queue, max_interval=60).start()
-        os.write(w, b"ready\n")
-        signal.pause()
-    return body
-
-
-def _serve_file(path: str, interval: float) -> Callable[[int], None]:
-    def body(w: int) -> None:
-        from torch.distributed.elastic.timer import FileTimerServer
-
-        FileTimerServer(path, "bench", max_interval=interval).start()
-        os.write(w, b"ready\n")
-        signal.pause()
-    return body
 
 
 # -- cost ---------------------------------------------------------------------------------------
@@ -198,18 +107,18 @@ def _cost(cfg: RunConfig, tmp: str, pids: list[int]) -> list[Comparison]:
     helpers = []
     try:
         me = os.getpid()
-        pid, r = _fork(lambda w: _serve_etk(w, me))
+        pid, r = fork_helper(lambda w: serve_etk(w, me))
         helpers.append(pid)
         timer.detach()
-        timer.attach(_read_line(r, 60), 0)
+        timer.attach(read_line(r, 60), 0)
         os.close(r)
         fifo = os.path.join(tmp, "torch-timer.fifo")
-        for body in (_serve_local(queue), _serve_file(fifo, 10)):
-            pid, r = _fork(body)
+        for body in (serve_local(queue), serve_file(fifo, 10)):
+            pid, r = fork_helper(body)
             helpers.append(pid)
-            _read_line(r, 60)
+            read_line(r, 60)
             os.close(r)
-        _await_reader(fifo)
+        await_reader(fifo)
         pids.extend(helpers)
         loops = _loops(LocalTimerClient(queue), FileTimerClient(fifo))
         n = {}
@@ -232,7 +141,7 @@ def _cost(cfg: RunConfig, tmp: str, pids: list[int]) -> list[Comparison]:
     finally:
         timer.detach()
         for pid in helpers:
-            _kill(pid)
+            kill_helper(pid)
         queue.close()
         queue.cancel_join_thread()  # its reader is gone: never wait for the feeder to flush
     extra = {name: {"pairs": calls[name], "failed_pairs": failed[name]} for name in loops}
@@ -291,7 +200,7 @@ def _agent(kind: str, after: float, interval: float, tmp: str) -> Callable[[int]
             server = FileTimerServer(fifo, "bench", max_interval=interval)  # makes the FIFO
 
             def arm() -> float:
-                _await_reader(fifo)
+                await_reader(fifo)
                 t0 = time.monotonic()
                 FileTimerClient(fifo).acquire("bench", time.time() + after)
                 return t0 + after
@@ -315,18 +224,18 @@ def _agent(kind: str, after: float, interval: float, tmp: str) -> Callable[[int]
 
 def _latency_sample(kind: str, after: float, interval: float, tmp: str, limit: float,
                     pids: list[int], reaper_ms: list[float]) -> float:
-    agent, r = _fork(_agent(kind, after, interval, tmp))
+    agent, r = fork_helper(_agent(kind, after, interval, tmp))
     pids.append(agent)
     pidfd = -1
     try:
-        worker, deadline = _read_line(r, 60).split()
+        worker, deadline = read_line(r, 60).split()
         pids.append(int(worker))
         pidfd = os.pidfd_open(int(worker))
         if not select.select([pidfd], [], [], limit)[0]:
             raise BenchError(f"{kind}: the stuck worker was not reaped within {limit:.0f} s")
         dead = time.monotonic()
         if kind == "etk":
-            reaper_ms.append((float(_read_line(r, 10).split()[1]) - float(deadline)) * 1e3)
+            reaper_ms.append((float(read_line(r, 10).split()[1]) - float(deadline)) * 1e3)
         return (dead - float(deadline)) * 1e3
     finally:
         if pidfd >= 0:
@@ -336,7 +245,7 @@ def _latency_sample(kind: str, after: float, interval: float, tmp: str, limit: f
                 pass
             os.close(pidfd)
         os.close(r)
-        _kill(agent)
+        kill_helper(agent)
 
 
 def _latency(cfg: RunConfig, tmp: str, pids: list[int]) -> tuple[list[Comparison], list[str]]:

@@ -8,17 +8,17 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC := torch==2.13.0
 # Debian packages that the tests start for real: etcd, Prometheus, ip for network namespaces,
 # libfaketime for a test host whose wall clock is off.
-DEB_PKGS := etcd-server prometheus iproute2 faketime
+DEB_PKGS := etcd-server prometheus iproute2 faketime openssl
 
-.PHONY: demo test install debs bench clean
+.PHONY: demo test check install debs bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(VPY) setup.py
+$(STAMP): $(VPY) setup.py pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q $(TORCH_SPEC) numpy
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,plots]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,9 +35,16 @@ debs:
 demo: install
 	$(VPY) examples/demo.py
 	$(VPY) examples/demo_inplace.py
+	$(VPY) examples/demo_snapshot.py
+
+# Lint, types and the layer contract; configuration in pyproject.toml.
+check: install
+	$(VENV)/bin/ruff check elastictk tests bench examples
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
-test: install debs
+test: install debs check
 	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \
 	$(VPY) -m pytest -q tests --basetemp=$$bt; rc=$$?; rm -rf $$bt; exit $$rc
 

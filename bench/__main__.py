@@ -39,7 +39,15 @@ def _terminate(signum: int, frame: Any) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
+#: Benchmarks with a command line of their own, run only when named first (not by a bare run).
+ON_THEIR_OWN = ("soak",)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:  # python -m bench soak [--quick] [--runs N] [--seed S] ...
+        from . import soak
+        return soak.main(argv[1:])
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -50,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    names = args.names or available()
+    names = args.names or [n for n in available() if n not in ON_THEIR_OWN]
+    alone = [n for n in names if n in ON_THEIR_OWN]
+    if alone:
+        print(f"python -m bench: {alone[0]} runs on its own: python -m bench {alone[0]} --help",
+              file=sys.stderr)
+        return 2
     try:
         modules = {name: load(name) for name in names}
     except ValueError as e:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from elastictk.supervisor.reaper import die_with_parent
+from elastictk.lifetime.reaper import die_with_parent
 
 from .common import BenchError
 

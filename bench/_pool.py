@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
-from elastictk.supervisor.reaper import die_with_parent
+from elastictk.lifetime.reaper import die_with_parent
 
 from .common import BenchError
 

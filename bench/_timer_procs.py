@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any, Callable
 
-from elastictk.supervisor.reaper import die_with_parent
+from elastictk.lifetime.reaper import die_with_parent
 
 from .common import BenchError
 

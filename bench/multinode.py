@@ -1,6 +1,6 @@
 """Multinode: three test hosts train together; one host is lost; how long until the rest train.
 
-Three hosts are network namespaces on a private bridge (``tests/netns.py``: root and iproute2;
+Three hosts are network namespaces on a private bridge (``tests/helpers/netns.py``: root and iproute2;
 traffic stays inside them). Each runs one launcher agent with two workers
 (``bench/_multinode_worker.py``: gloo all-reduce per step), ``--nnodes 2:3``, c10d store on
 host A. Once all six ranks are stepping, the whole of host C (its agent and every process under
@@ -15,6 +15,11 @@ Both launchers get the same budget to notice a silent host: elastictk ``heartbea
 Losing host A, the c10d store's host, is reported in the notes: what each launcher does, and
 elastictk with ``--rdzv-backend etcd`` (a 3-member etcd cluster, one member per host), which
 recovers from it. ``--quick`` runs elastictk only, once: a smoke test of the set-up.
+
+Spares (full run only, a fourth host D): A, B and C train, D's agent starts beyond
+``--nnodes`` MAX and waits as a spare, C is lost; the sample is the time until all six ranks
+(A, B, D) step again, against the same loss without a spare (four ranks step again). torchrun
+(which keeps such a node in its redundancy list) is run once with the spare, reported in the notes.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import psutil
 from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
 
 if TYPE_CHECKING:  # pragma: no cover - the test hosts live with the tests (root, iproute2)
-    from tests.netns import Host, Hosts
+    from tests.helpers.netns import Hosts
 
 TITLE = "Multinode: three hosts (network namespaces) recover from the loss of one, elastictk-run vs torchrun"
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +46,8 @@ PORT = 29400
 START_TIMEOUT = 120.0
 RECOVERY_TIMEOUT = 90.0
 PROBE_TIMEOUT = 45.0
+SPARE_SETTLE = 10.0
+SPARE_GAP = 1.0
 ELASTICTK_CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
 TORCH_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 
@@ -61,8 +68,8 @@ class Run:
     """One job across the hosts: start, wait for steps, kill a host, reap everything."""
 
     def __init__(self, hosts: "Hosts", launcher: str, base: Path, tag: str, backend: str = "c10d",
-                 endpoint: str | None = None) -> None:
-        self.hosts, self.launcher = hosts, launcher
+                 endpoint: str | None = None, count: int = 3) -> None:
+        self.hosts, self.launcher, self.tag = hosts, launcher, tag
         self.out = base / tag
         self.out.mkdir()
         self.endpoint = endpoint or f"{hosts[0].addr}:{PORT}"
@@ -71,21 +78,26 @@ class Run:
         self.pids: list[int] = []
         # gloo would bind to what the host name resolves to (127.0.0.1 here, a loopback each
         # namespace has its own of): name the interface, as on a multi-NIC cluster.
-        env = dict(os.environ, TMPDIR=str(self.out), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                   GLOO_SOCKET_IFNAME="eth0")
-        for i, h in enumerate(hosts):
-            argv = _argv(launcher, backend, self.endpoint, tag, self.out, store_host=(i == 0))
-            # Every test host has the machine's host name, which resolves to loopback: tell
-            # each launcher the address its peers reach it at (torchrun needs it; both get it).
-            argv[3:3] = ["--local-addr", h.addr]
-            log = open(self.out / f"agent{i}.log", "w")
-            self.agents.append(h.popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-            log.close()
-            if i == 0 and backend == "c10d":
-                try:
-                    hosts[1].wait_listening(hosts[0].addr, PORT)
-                except TimeoutError as e:
-                    raise BenchError(str(e)) from None
+        self.env = dict(os.environ, TMPDIR=str(self.out), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                        GLOO_SOCKET_IFNAME="eth0")
+        for i in range(count):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        """Start host ``i``'s agent (a host beyond --nnodes MAX waits as a spare)."""
+        h = self.hosts[i]
+        argv = _argv(self.launcher, self.backend, self.endpoint, self.tag, self.out, store_host=(i == 0))
+        # Every test host has the machine's host name, which resolves to loopback: tell
+        # each launcher the address its peers reach it at (torchrun needs it; both get it).
+        argv[3:3] = ["--local-addr", h.addr]
+        log = open(self.out / f"agent{i}.log", "w")
+        self.agents.append(h.popen(argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+        if i == 0 and self.backend == "c10d":
+            try:
+                self.hosts[1].wait_listening(self.hosts[0].addr, PORT)
+            except TimeoutError as e:
+                raise BenchError(str(e)) from None
 
     def steps(self) -> list[tuple[float, int, int]]:
         path = self.out / "steps.log"
@@ -114,6 +126,11 @@ class Run:
                 return got
             time.sleep(0.05)
         raise BenchError(f"{self.launcher}: {what} not within {timeout:g}s; {self.tail()}")
+
+    def logged(self, i: int, marker: str) -> float | None:
+        """Now, once host ``i``'s agent log holds ``marker``; else None."""
+        path = self.out / f"agent{i}.log"
+        return time.monotonic() if path.exists() and marker in path.read_text(errors="replace") else None
 
     def tail(self) -> str:
         logs = []
@@ -165,6 +182,28 @@ def _lose_a_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list
         pids += run.close()
 
 
+def _lose_a_host_with_a_spare(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int]) -> float:
+    """Hosts A, B, C train; host D's agent starts and waits as a spare; host C is lost; the
+    time until all six ranks (A, B and D) step again. Steps logged within SPARE_GAP of the
+    kill are not counted: no launcher notices a silent host that fast (2 s budget), so a
+    later six-rank step is the new job's."""
+    run = Run(hosts, launcher, base, tag)
+    try:
+        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
+        run.start(3)
+        if launcher == "elastictk":  # its agent says when it waits as a spare
+            run.wait("host D waiting as a spare", lambda: run.logged(3, "spare_waiting"), START_TIMEOUT)
+        else:  # torchrun says nothing at its default log level: give its agent time to start
+            time.sleep(SPARE_SETTLE)
+        time.sleep(1.0)  # the running job must not notice
+        t_kill = run.kill_host(2)
+        done = run.wait("six ranks stepping after host C was lost (host D a spare)",
+                        lambda: run.all_stepping(6, t_kill + SPARE_GAP), RECOVERY_TIMEOUT)
+        return done - t_kill
+    finally:
+        pids += run.close()
+
+
 def _lose_the_store_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int],
                          backend: str = "c10d", endpoint: str | None = None,
                          also_kill: Callable[[], None] | None = None) -> str:
@@ -198,7 +237,7 @@ def _lose_the_store_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pi
 
 def run(cfg: RunConfig) -> BenchResult:
     sys.path.insert(0, str(ROOT))
-    from tests.netns import Hosts, etcd_members, netns_works
+    from tests.helpers.netns import Hosts, etcd_members, netns_works
 
     why = netns_works()
     if why is not None:
@@ -240,6 +279,21 @@ def run(cfg: RunConfig) -> BenchResult:
                         m.close()
                 notes.append("elastictk, etcd (one member per host), host A lost (its agent tree and its "
                              f"etcd member SIGKILLed at once; two members remain, a quorum): {what}")
+        if not cfg.quick:
+            with Hosts(4) as hosts4:
+                cfg.log(f"{rounds} round(s) of: lose host C with and without a spare on host D (elastictk)")
+                arms = {"spare": _lose_a_host_with_a_spare, "none": _lose_a_host}
+                got = interleaved(list(arms), lambda arm: arms[arm](
+                    hosts4, "elastictk", base, f"elastictk-{arm}-{next(counter)}", pids), rounds)
+                rows.append(Comparison({"lost": "host C: a spare on host D vs none"},
+                                       Measured("elastictk-run, spare: 6 ranks again", got["spare"]),
+                                       Measured("elastictk-run, no spare: 4 ranks again", got["none"])))
+                cfg.log("lose host C with a spare on host D under torchrun (once)")
+                try:
+                    took = _lose_a_host_with_a_spare(hosts4, "torchrun", base, f"torchrun-spare-{next(counter)}", pids)
+                    notes.append(f"torchrun, a spare on host D, host C lost: 6 ranks stepping {fmt(took)} s after the kill")
+                except BenchError as e:
+                    notes.append(f"torchrun, a spare on host D, host C lost: did not recover ({str(e)[:300]})")
     finally:
         if not os.environ.get("ELASTICTK_BENCH_KEEP"):
             shutil.rmtree(base, ignore_errors=True)

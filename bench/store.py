@@ -173,7 +173,7 @@ class _Stores:
             "elastictk.store.file", "FileStore", "elastictk FileStore")
         self.etcd_endpoint: str | None = None
         if self._importable("elastictk.store.etcd", "EtcdStore", "elastictk EtcdStore") and \
-                self._importable("elastictk.store.etcd_server", "EtcdServer", "the etcd launcher"):
+                self._importable("elastictk.testing.etcd", "EtcdServer", "the etcd launcher"):
             self._start_etcd(stack, log)
 
     def _importable(self, module: str, attr: str, what: str) -> bool:
@@ -185,7 +185,7 @@ class _Stores:
             return False
 
     def _start_etcd(self, stack: ExitStack, log: Callable[[str], None]) -> None:
-        from elastictk.store.etcd_server import EtcdServer
+        from elastictk.testing.etcd import EtcdServer
 
         log("starting etcd ...")
         try:

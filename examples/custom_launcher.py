@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+from elastictk.agent import AgentConfig, Backoff, ElasticAgent, RestartPolicy
 from elastictk.rendezvous import RendezvousConfig
 from elastictk.store import TCPStore
-from elastictk.supervisor.agent import AgentConfig, ElasticAgent
-from elastictk.supervisor.policy import Backoff, RestartPolicy
-from elastictk.supervisor.spec import WorkerSpec
+from elastictk.supervisor import WorkerSpec
 
 
 def work(greeting: str) -> str:

@@ -33,7 +33,7 @@ def test_a_planned_run_keeps_every_invariant_and_replays(tmp_path: Path) -> None
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     d = report(tmp_path)
     assert [f["fired"] for f in d["faults"]] == [True, True]
-    assert all(c["ok"] for c in d["checks"]) and len(d["checks"]) == 7, d["checks"]
+    assert all(c["ok"] for c in d["checks"]) and len(d["checks"]) == 8, d["checks"]
     assert d["totals"]["restarts"] == 2 and d["totals"]["exit_code"] == 0
     assert [f["restarts_used"] for f in d["faults"]] == [1, 2]
     assert all(f["detected_after"] is not None and f["running_after"] >= f["detected_after"] for f in d["faults"])

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from elastictk.chaos.expect import BUDGET, STORE, Shape, expect
 from elastictk.chaos.multinode import full_size_at, tag_events, workers_by_rank
 from elastictk.faults import Fault, generate_plan, plan_of
-from elastictk.store.etcd_server import EtcdNotInstalled, find_etcd
+from elastictk.testing.etcd import EtcdNotInstalled, find_etcd
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
-STEPS = str(ROOT / "tests" / "chaos_steps_worker.py")
+STEPS = str(ROOT / "tests" / "helpers" / "chaos_steps_worker.py")
 CONF = "last_call_timeout=2,heartbeat_interval=0.2,heartbeat_timeout=1.5,join_timeout=20"
 
 

@@ -135,6 +135,41 @@ def test_reader_skips_a_torn_last_line_and_names_a_bad_one(tmp_path: Path) -> No
         read_events(tmp_path / "missing.jsonl")
 
 
+TORN_WRITER = """
+import os, signal, sys
+from elastictk.metrics.events import EventLog
+with EventLog(sys.argv[1], node_id="w") as log:
+    log("first")
+    log("second")
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+os.write(fd, b'{"seq": 3, "kind": "third", "fields": {"ra')  # half of the next line, then killed
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_torn_last_line_from_a_killed_writer_is_skipped_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "events.jsonl"
+    proc = subprocess.run([sys.executable, "-c", TORN_WRITER, str(path)], cwd=ROOT, timeout=60)
+    assert proc.returncode == -9
+    assert not path.read_bytes().endswith(b"\n")
+    with caplog.at_level("WARNING", logger="elastictk.metrics"):
+        assert [e.kind for e in read_events(path)] == ["first", "second"]
+    torn = [r.getMessage() for r in caplog.records if "torn last line" in r.getMessage()]
+    assert len(torn) == 1 and f"{path}:3" in torn[0] and "\n" not in torn[0]
+    caplog.clear()
+    with open(path, "ab") as f:  # another writer appends after it: now a corrupt line in the middle
+        f.write(b"\n")
+    with EventLog(path) as log:
+        log("fourth")
+    with pytest.raises(EventLogError, match=r"events\.jsonl:3: not an elastictk event"):
+        read_events(path)
+    assert not [r for r in caplog.records if "torn" in r.getMessage()]
+    whole = tmp_path / "whole.jsonl"  # a last line that parses counts, newline or not
+    whole.write_bytes(b'{"seq": 1, "kind": "a"}\n{"seq": 2, "kind": "b", "fields": {}}')
+    assert [e.kind for e in read_events(whole)] == ["a", "b"]
+
+
 WRITER = """
 import sys
 from elastictk.metrics.events import EventLog

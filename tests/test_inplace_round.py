@@ -10,10 +10,10 @@ from typing import Any, Iterator
 
 from elastictk.inplace.protocol import ready_key, ready_value
 from elastictk.store import FileStore, TCPStore
-from elastictk.supervisor.inplace import InPlaceRound
-from elastictk.supervisor.inplace_setup import Setup
+from elastictk.agent.inplace import InPlaceRound
+from elastictk.agent.inplace_host import Setup
 from elastictk.supervisor.group import WorkerGroup
-from elastictk.supervisor.policy import RestartPolicy
+from elastictk.agent.policy import RestartPolicy
 from elastictk.supervisor.spec import WorkerSpec
 from tests.test_worker_group import assignment
 

@@ -19,8 +19,9 @@ from elastictk.inplace import Generation, State, StateError, is_peer_failure, sh
 from elastictk.store import FileStore
 from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.group import GroupStateError, WorkerGroup
-from elastictk.supervisor.inplace import is_frozen, proc_state, spend_restart
-from elastictk.supervisor.policy import RestartPolicy
+from elastictk.agent.inplace import spend_restart
+from elastictk.lifetime.procfs import is_frozen, parse_stat
+from elastictk.agent.policy import RestartPolicy
 from elastictk.supervisor.spec import Std, WorkerSpec, python_script_argv
 
 
@@ -138,9 +139,12 @@ def test_peer_failures_are_told_from_the_steps_own_bugs() -> None:
     assert not is_peer_failure(ValueError("Connection reset by peer"))
 
 
-def test_proc_state_parses_commands_with_spaces_and_parens() -> None:
-    assert proc_state("123 (a) b) T 1 2 3") == "T"
-    assert proc_state("7 (python3) S 1 7 7 0") == "S"
+def test_stat_lines_parse_with_spaces_and_parens_in_the_command() -> None:
+    tail = " ".join(str(n) for n in range(4, 22)).encode()  # fields 6.. up to the start time
+    odd = parse_stat(b"123 (a) b) T 1 2 3 " + tail)
+    assert (odd.state, odd.ppid, odd.pgrp, odd.session) == ("T", 1, 2, 3)
+    plain = parse_stat(b"7 (python3) S 1 7 7 " + tail)
+    assert (plain.state, plain.session, plain.start_time) == ("S", 7, 19)
 
 
 def test_a_stopped_process_is_frozen_a_running_one_is_not() -> None:
@@ -164,7 +168,7 @@ def test_in_place_recoveries_spend_the_same_budget_as_restarts(tmp_path: Path) -
     got = [spend_restart(store, policy, f"rank {i}: SIGKILL") for i in range(3)]
     assert [(d.action, d.restart_count) for d in got] == [("restart", 1), ("restart", 2), ("give_up", 3)]
     assert "max-restarts" in got[-1].reason
-    from elastictk.supervisor.coordination import restart_count
+    from elastictk.agent.coordination import restart_count
 
     assert restart_count(store) == 3  # what a worker started now would see
     store.close()

@@ -9,7 +9,8 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastictk.metrics import AgentMetrics, PrometheusNotInstalled, PrometheusServer, WorkerStepsBlock
+from elastictk.metrics import AgentMetrics, WorkerStepsBlock
+from elastictk.testing import PrometheusNotInstalled, PrometheusServer
 from elastictk.metrics import worker as worker_mod
 
 ROOT = Path(__file__).resolve().parent.parent

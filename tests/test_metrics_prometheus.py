@@ -18,9 +18,8 @@ from typing import IO, Any, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastictk.metrics import (
-    AgentMetrics, MetricsServer, PrometheusError, PrometheusNotInstalled, PrometheusServer, read_events,
-)
+from elastictk.metrics import AgentMetrics, MetricsServer, read_events
+from elastictk.testing import PrometheusError, PrometheusNotInstalled, PrometheusServer
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "contrib" / "prometheus-alerts.yml"
@@ -28,7 +27,7 @@ RULES = ROOT / "contrib" / "prometheus-alerts.yml"
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    from elastictk.metrics.promserver import find_prometheus
+    from elastictk.testing.prometheus import find_prometheus
 
     try:
         return find_prometheus()
@@ -87,16 +86,15 @@ def test_prometheus_start_failure_is_one_line_and_cleans_up(tmp_path: Path, prom
 # A custom launcher built from the public pieces: elastictk-run's agent with telemetry wired in
 # (what ``--metrics-port``/``--event-log`` do), printing each event as a JSON line for the test.
 DRIVER = """
-import dataclasses, json, sys
+import json, sys
 from elastictk.cli import parse_args
 from elastictk.metrics import Telemetry
-from elastictk.run import build_agent
+from elastictk.agent import build_agent
 
 config = parse_args(sys.argv[1:])
 tel = Telemetry.from_launch(config, node="node-0")
-agent, handle = build_agent(config)
+agent, handle = build_agent(config, tel)
 cfg = agent.config
-cfg.spec = dataclasses.replace(cfg.spec, env={**cfg.spec.env, **tel.worker_env()})
 
 def on_event(kind, **fields):
     tel.on_event(kind, **fields)

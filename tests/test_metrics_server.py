@@ -7,18 +7,20 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastictk.cli import parse_args
 from elastictk.metrics import ENV_PATH, MetricsServer, MetricsServerError, Telemetry, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = str(ROOT / "tests" / "agent_worker.py")
+SCRIPT = str(ROOT / "tests" / "helpers" / "agent_worker.py")
 
 
 def fetch(host: str, port: int, path: str = "/metrics") -> tuple[int, str]:
@@ -110,7 +112,8 @@ def test_telemetry_from_elastictk_run_flags(tmp_path: Path) -> None:
                          SCRIPT, str(tmp_path)])
     with Telemetry.from_launch(config, node="node-a") as tel:
         env = tel.worker_env()
-        assert set(env) == {ENV_PATH}
+        assert set(env) == {ENV_PATH, "ELASTICTK_WORKER_HOOKS"}
+        assert "elastictk.metrics.worker" in env["ELASTICTK_WORKER_HOOKS"].split(",")
         assert tel.metrics_url is not None and tel.server is not None
         tel.on_event("workers_started", attempt=0, restart_count=0, pids={0: 1, 1: 2})
         tel.on_event("worker_failed", rank=1, local_rank=1, exit="SIGTERM", first_in_job=True)
@@ -159,3 +162,120 @@ def test_telemetry_setup_errors_are_one_line_and_leave_nothing(tmp_path: Path) -
     blocker.write_text("")
     with pytest.raises(TelemetryError, match="cannot write event log"):
         Telemetry(job="j", event_log=str(blocker / "events.jsonl"))
+
+
+# -- clients that misbehave: slow, silent, not reading, too many -----------------------------------
+class _BigHelp(Collector):
+    """A collector whose exposition is ~20 MB (one long HELP text): more than socket buffers hold."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("elastictk_test_big", "x" * 20_000_000, value=1)
+
+
+def _dropped(sock: socket.socket, within: float) -> bool:
+    """Whether the server closed ``sock`` (EOF or reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_close_returns_at_once_whatever_slow_clients_do() -> None:
+    reg = registry_with_a_counter()
+    reg.register(_BigHelp())
+    srv = MetricsServer(reg, port=0, request_timeout=30)  # far longer than close() may take
+    clients: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle(sock: socket.socket) -> None:  # one byte a second, never a whole request
+        try:
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 100:
+                sock.sendall(bytes([byte]))
+                if stop.wait(1.0):
+                    return
+        except OSError:
+            return
+
+    closer = threading.Thread(target=srv.close, name="test-close", daemon=True)
+    trickler: threading.Thread | None = None
+    try:
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        clients.append(silent)
+        slow = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        clients.append(slow)
+        trickler = threading.Thread(target=trickle, args=(slow,), name="test-trickle", daemon=True)
+        trickler.start()
+        deaf = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        clients.append(deaf)
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.settimeout(30)
+        deaf.connect(("127.0.0.1", srv.port))
+        deaf.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert deaf.recv(1) == b"H"  # the response has started; now it stops reading
+        time.sleep(1.5)  # the trickler has sent a byte or two; the sender is blocked
+        serving = [t for t in server_threads() if t.name != f"elastictk-metrics-{srv.port}"]
+        assert len(serving) == 3  # one request thread per client, all stuck on it
+        start = time.monotonic()
+        closer.start()
+        closer.join(timeout=1.5)
+        took = time.monotonic() - start
+        assert not closer.is_alive(), "close() waited on slow clients"
+        assert took < 1.5
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()  # on a server that ignores its clients this is what releases close()
+        if trickler is not None:
+            trickler.join(timeout=30)
+        if closer.ident is None:  # failed before close() was called
+            srv.close()
+        else:
+            closer.join(timeout=60)
+    assert not [t for t in server_threads() if t.is_alive()]
+    assert not my_sockets(srv.port)
+
+
+def test_a_client_trickling_bytes_is_dropped_at_the_request_deadline() -> None:
+    with MetricsServer(registry_with_a_counter(), port=0, request_timeout=0.5) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as slow:
+            start, dropped = time.monotonic(), False
+            request = b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: y\r\n" * 100
+            for byte in request:  # a byte every 0.1 s, for at most 3 s
+                if time.monotonic() - start > 3:
+                    break
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    dropped = True
+                    break
+                if _dropped(slow, 0.1):
+                    dropped = True
+                    break
+            assert dropped and time.monotonic() - start < 2.0
+        assert fetch("127.0.0.1", srv.port)[0] == 200  # a normal scrape is served as before
+
+
+def test_connections_past_the_cap_are_closed_at_once() -> None:
+    cap = 4
+    with MetricsServer(registry_with_a_counter(), port=0, request_timeout=30, max_connections=cap) as srv:
+        clients = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(cap + 5)]
+        try:
+            dropped = [c for c in clients if _dropped(c, 0.3)]
+            assert len(dropped) == 5  # the excess, closed without waiting for a request
+            assert srv.open_connections == cap
+            assert len([t for t in server_threads() if "conn" in t.name]) == cap
+            with pytest.raises(OSError):
+                fetch("127.0.0.1", srv.port)  # full: refused, not queued behind the silent ones
+        finally:
+            for c in clients:
+                c.close()
+        deadline = time.monotonic() + 10
+        while srv.open_connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, text = fetch("127.0.0.1", srv.port)
+        assert status == 200 and 'elastictk_test_things_total{job="j"} 3.0' in text

@@ -3,7 +3,7 @@
 Each host runs a real elastictk-run agent with ``ip netns exec``; hosts reach each other only
 through their veth links, so a killed agent, a cut link or a lost store member is what it
 would be on a cluster. Heartbeats are short (``--rdzv-conf``) and workers tiny
-(tests/agent_worker.py), so each scenario takes seconds of waiting, not minutes.
+(tests/helpers/agent_worker.py), so each scenario takes seconds of waiting, not minutes.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from tests.netns import Host, Hosts, etcd_members, leftover_namespaces, netns_works
+from tests.helpers.netns import Host, Hosts, etcd_members, leftover_namespaces, netns_works
 from tests.test_multinode import CONF, ROOT, Job, by_world
 
 PORT = 29400

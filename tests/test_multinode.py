@@ -20,7 +20,7 @@ import pytest
 from elastictk.store import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "tests" / "agent_worker.py")
+WORKER = str(ROOT / "tests" / "helpers" / "agent_worker.py")
 CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
 
 

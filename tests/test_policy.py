@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from elastictk.supervisor.policy import (
+from elastictk.agent.policy import (
     Backoff,
     Decision,
     Event,
@@ -60,12 +60,12 @@ policies = st.builds(
 )
 
 
-def torchrun_oracle(n: int, events: list[Event]) -> list[Union[tuple[str, int], str]]:
+def torchrun_oracle(n: int, events: list[Event]) -> list[tuple[str, int] | str]:
     """torch's ``SimpleElasticAgent._invoke_run`` transcribed: remaining_restarts starts at
     max_restarts; a failure restarts while remaining > 0 (decrementing first) else gives up;
     a waiting node restarts without touching it. Workers see max_restarts - remaining."""
     remaining = n
-    out: list[Union[tuple[str, int], str]] = []
+    out: list[tuple[str, int] | str] = []
     for ev in events:
         if isinstance(ev, Failure):
             if remaining > 0:
@@ -79,8 +79,8 @@ def torchrun_oracle(n: int, events: list[Event]) -> list[Union[tuple[str, int], 
     return out
 
 
-def as_oracle(decisions: list[Decision]) -> list[Union[tuple[str, int], str]]:
-    out: list[Union[tuple[str, int], str]] = []
+def as_oracle(decisions: list[Decision]) -> list[tuple[str, int] | str]:
+    out: list[tuple[str, int] | str] = []
     for d in decisions:
         if isinstance(d, Restart):
             out.append(("restart", d.restart_count))

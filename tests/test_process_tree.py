@@ -21,9 +21,9 @@ import pytest
 from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.forkserver import PreloadServer
 from elastictk.supervisor.group import WorkerGroup
-from elastictk.supervisor.reaper import is_child_subreaper
+from elastictk.lifetime.reaper import is_child_subreaper
 from elastictk.supervisor.spec import WorkerSpec, python_script_argv
-from tests.supervisor_workers import STUBBORN_GRANDCHILD_SCRIPT, TERM_SCRIPT, TREE_SCRIPT
+from tests.helpers.supervisor_workers import STUBBORN_GRANDCHILD_SCRIPT, TERM_SCRIPT, TREE_SCRIPT
 
 REPO = Path(__file__).resolve().parent.parent
 ASSIGN = Assignment.homogeneous(0, 1, 2, master_addr="127.0.0.1", master_port=29500, run_id="tree")
@@ -173,7 +173,7 @@ def test_wake_interrupts_a_blocked_wait(tmp_path: Path) -> None:
 @pytest.mark.parametrize("method", ["subprocess", "preload", "spawn"])
 def test_sigkilled_agent_leaves_no_worker_or_grandchild(tmp_path: Path, method: str) -> None:
     agent = subprocess.Popen(
-        [sys.executable, "-m", "tests.supervisor_agent", method, str(tmp_path / "logs"), str(tmp_path)],
+        [sys.executable, "-m", "tests.helpers.supervisor_agent", method, str(tmp_path / "logs"), str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE)
     try:
         assert agent.stdout is not None
@@ -195,7 +195,7 @@ def test_death_signal_is_delivered_at_once_if_the_parent_is_already_gone() -> No
     # die_with_parent() names a parent that is not ours, as after a race with its death.
     child = subprocess.Popen(
         [sys.executable, "-c", "import os, signal, time\n"
-         "from elastictk.supervisor.reaper import die_with_parent\n"
+         "from elastictk.lifetime.reaper import die_with_parent\n"
          f"die_with_parent({os.getpid() + 10**7}, signal.SIGKILL)\n"
          "time.sleep(60)"], cwd=REPO)
     assert child.wait(60) == -signal.SIGKILL
@@ -206,7 +206,7 @@ def test_death_signal_fires_when_the_parent_dies(tmp_path: Path) -> None:
     code = (
         "import os, signal, subprocess, sys, time\n"
         "from functools import partial\n"
-        "from elastictk.supervisor.reaper import die_with_parent\n"
+        "from elastictk.lifetime.reaper import die_with_parent\n"
         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         "    preexec_fn=partial(die_with_parent, os.getpid(), signal.SIGKILL))\n"
         "print(c.pid, flush=True)\n"

@@ -199,7 +199,7 @@ class Node:
 
     def __init__(self, port: int, job: str, node_id: str, lo: int, hi: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.rdzv_node", f"127.0.0.1:{port}", job, node_id, str(lo), str(hi)],
+            [sys.executable, "-m", "tests.helpers.rdzv_node", f"127.0.0.1:{port}", job, node_id, str(lo), str(hi)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from elastictk.rendezvous.config import RendezvousConfig
 from elastictk.rendezvous.decide import (
-    Arrival, Close, Fail, RoundView, Wait, assign_ranks, closer, decide, round_to_join,
+    Arrival, Close, Fail, Hold, RoundView, Wait, assign_ranks, closer, decide, eligible, held, round_to_join, split,
 )
 from elastictk.rendezvous.records import Member, RoundResult
 
@@ -103,6 +103,10 @@ class RendezvousProtocol(RuleBasedStateMachine):
                 if result.rank_of(a.node_id) is None and a.node_id not in self.dead:
                     self.floor[a.node_id] = n + 1
                     self._join(a.node_id)  # left out: waits for the next round
+        elif isinstance(decision, Hold):  # the previous round runs full and whole: spares wait
+            assert held(view, self.cfg) and len(self.results[n - 1].members) == self.cfg.max_nodes
+            assert not {m.node_id for m in self.results[n - 1].members} & (dead | {a.node_id for a in arrivals})
+            self.opened_at[n], self.min_at[n] = self.now, None  # the handler's clocks start afresh
         elif isinstance(decision, Wait):
             self.min_at[n] = decision.min_reached_at
             assert decision.until > self.now or decision.until >= self.opened_at[n]
@@ -121,6 +125,12 @@ class RendezvousProtocol(RuleBasedStateMachine):
         assert not set(ids) & view.dead, "no known-dead node is a member"
         assert set(ids) <= {a.node_id for a in view.arrivals}, "only arrivals are members"
         prev = view.previous
+        # Spares are taken in arrival order (a dead one skipped): the newcomers in the round are
+        # the earliest live arrivals that were not members of the previous round.
+        old_ids = {m.node_id for m in prev.members} if prev else set()
+        newcomers = [a.node_id for a in eligible(view.arrivals, view.dead) if a.node_id not in old_ids]
+        taken = [x for x in newcomers if x in ids]
+        assert taken == newcomers[:len(taken)], "spares join in arrival order"
         if prev is not None:
             for m in result.members:
                 old = prev.rank_of(m.node_id)
@@ -145,6 +155,23 @@ class RendezvousProtocol(RuleBasedStateMachine):
         if len(live) >= self.cfg.max_nodes and not pending:
             view = RoundView(n, arrivals, prev, frozenset(self.dead), self.now, self.opened_at[n], self.min_at.get(n))
             assert isinstance(decide(view, self.cfg), Close)
+
+
+    @invariant()
+    def full_round_holds_its_spares(self) -> None:
+        """While the running round is full and whole, a newcomer never makes the next close."""
+        if self.cfg is None or self.latest in self.results or self.latest < 2:
+            return
+        n = self.latest
+        prev = self.results.get(n - 1)
+        arrivals = tuple(self.arrivals.get(n, []))
+        if prev is None or len(prev.members) < self.cfg.max_nodes:
+            return
+        here = {a.node_id for a in arrivals}
+        if any(m.node_id in self.dead or m.node_id in here for m in prev.members):
+            return
+        view = RoundView(n, arrivals, prev, frozenset(self.dead), self.now, self.opened_at[n], self.min_at.get(n))
+        assert isinstance(decide(view, self.cfg), Hold)
 
 
 TestRendezvousProtocol = RendezvousProtocol.TestCase
@@ -196,3 +223,36 @@ def test_config_rejects_bad_values() -> None:
         RendezvousConfig("j", 3, 2)
     with pytest.raises(ValueError, match="heartbeat_timeout"):
         RendezvousConfig("j", 1, 1, heartbeat_interval=2, heartbeat_timeout=1)
+
+
+@given(st.lists(st.sampled_from(NODES), unique=True, min_size=1), st.lists(st.sampled_from(NODES), unique=True),
+       st.sets(st.sampled_from(NODES)), st.integers(1, 5))
+def test_split_members_and_spares(order: list[str], before: list[str], dead: set[str], max_nodes: int) -> None:
+    """Never more than MAX members; the previous round's live members keep their places; the
+    rest are spares, taken in arrival order; a dead node is neither."""
+    prev = RoundResult(1, tuple(Member(n, r) for r, n in enumerate(before))) if before else None
+    live = eligible([Arrival(i + 1, n) for i, n in enumerate(order)], frozenset(dead))
+    members, spares = split(live, prev, max_nodes)
+    assert len(members) == min(max_nodes, len(live))
+    assert [a.node_id for a in members + spares if a.node_id in dead] == []
+    assert sorted(a.seq for a in members + spares) == [a.seq for a in live], "each live arrival once"
+    assert spares == sorted(spares, key=lambda a: a.seq), "spares wait in arrival order"
+    olds = [a for a in live if a.node_id in before]
+    assert {a.node_id for a in olds[:max_nodes]} <= {a.node_id for a in members}, "members keep their places"
+    if len(olds) < max_nodes:  # the places left go to the earliest newcomers
+        newcomers = [a for a in live if a.node_id not in before]
+        assert [a for a in members if a.node_id not in before] == newcomers[:max_nodes - len(olds)]
+
+
+def test_full_round_holds_a_spare_until_a_member_is_lost() -> None:
+    cfg = RendezvousConfig("j", 2, 3, last_call=1.0, join_timeout=10, heartbeat_interval=1, heartbeat_timeout=3)
+    prev = RoundResult(1, (Member("a", 0), Member("b", 1), Member("c", 2)))
+    spares = (Arrival(1, "s1"), Arrival(2, "s2"))
+    assert decide(RoundView(2, spares, prev, frozenset(), 1e6, 0.0), cfg) == Hold(3), "no join timeout while held"
+    lost_b = spares + (Arrival(3, "a"), Arrival(4, "c"))
+    closed = decide(RoundView(2, lost_b, prev, frozenset({"b"}), 1.0, 0.0), cfg)
+    assert isinstance(closed, Close) and [m.node_id for m in closed.members] == ["a", "s1", "c"]
+    dead_spare = decide(RoundView(2, lost_b, prev, frozenset({"b", "s1"}), 1.0, 0.0), cfg)
+    assert isinstance(dead_spare, Close) and [m.node_id for m in dead_spare.members] == ["a", "s2", "c"]
+    smaller = RoundResult(1, (Member("a", 0), Member("b", 1)))
+    assert not isinstance(decide(RoundView(2, spares, smaller, frozenset(), 1.0, 0.0), cfg), Hold)

@@ -17,10 +17,10 @@ from elastictk.supervisor.report import (
     MAX_TAIL_LINES,
     FailureReport,
     WorkerExit,
-    WorkerGroupFailed,
     describe_exit,
     pick_tail,
 )
+from elastictk.supervisor.report_text import WorkerGroupFailed, render_text
 
 TIMEOUT = 120
 
@@ -106,7 +106,7 @@ def test_root_cause_is_the_first_to_end(workers: dict[str, WorkerExit]) -> None:
     assert root.ended_wall == 1_700_000_003.0
     assert report.headline() == ("worker group failed: 3 of 4 workers; "
                                  "first: rank 2's SIGSEGV (signal 11)")
-    text = report.render()
+    text = render_text(report)
     assert "exited     : SIGSEGV (signal 11)" in text
     assert "killed by a signal before Python could record" in text
     # The faulthandler dump from the real crash is shown from its header, with our frame in it.
@@ -122,7 +122,7 @@ def test_exception_traceback_comes_from_the_error_file(workers: dict[str, Worker
     assert root is not None and root.rank == 1 and root.exit_description == "exit code 1"
     assert root.error is not None and root.error.message == "ValueError: loss is nan at step 7"
     assert root.stderr_tail == ()  # the traceback is enough; the log was not read
-    text = report.render()
+    text = render_text(report)
     assert f"error file : {workers['raise'].error_file}" in text
     assert "exception  : ValueError: loss is nan at step 7" in text
     assert "    Traceback (most recent call last):" in text and "in main" in text
@@ -146,7 +146,7 @@ def test_broken_error_file_falls_back_to_stderr(workers: dict[str, WorkerExit], 
     # The uncaught exception also went to stderr, and the (short) log is shown whole.
     assert root.stderr_tail[:2] == ("starting rank 1", "Traceback (most recent call last):")
     assert root.stderr_tail[-1] == "ValueError: loss is nan at step 7"
-    text = report.render()
+    text = render_text(report)
     assert f"error file {broken} is unreadable" in text and "showing stderr instead" in text
     assert "    | ValueError: loss is nan at step 7" in text
     data = json.loads(json.dumps(report.to_json()))
@@ -159,7 +159,7 @@ def test_no_error_file_shows_the_last_lines(workers: dict[str, WorkerExit]) -> N
     root = report.root_cause
     assert root is not None and root.error is None and root.error_file_problem is None
     assert root.stderr_tail == tuple(f"log line {i}" for i in range(80, 100))
-    text = report.render()
+    text = render_text(report)
     assert "decorate the entry point with @elastictk.record" in text
     assert f"last 20 lines of {workers['noisy'].stderr_path}" in text
 
@@ -178,7 +178,7 @@ def test_missing_logs_and_unset_error_file(tmp_path: Path) -> None:
     assert a.exit_description == "SIGKILL (signal 9)"
     assert a.stderr_problem is not None and "nope.log" in a.stderr_problem
     assert b.stderr_problem == "stderr was not captured to a file"
-    text = report.render()
+    text = render_text(report)
     assert "error file : not set for this worker" in text and "nope.log" in text
 
 
@@ -195,7 +195,7 @@ def test_workers_stopped_by_the_supervisor_are_never_the_root_cause() -> None:
     real = WorkerExit(local_rank=1, rank=1, pid=2, exitcode=1, ended_at=2.0)
     report = FailureReport.build([term, real], hostname="h", stopped=[0])
     assert [f.rank for f in report.failures] == [1, 0]
-    assert "SIGTERM (signal 15), -1.00s, stopped by the supervisor" in report.render()
+    assert "SIGTERM (signal 15), -1.00s, stopped by the supervisor" in render_text(report)
 
 
 def test_worker_groups_own_result_type(workers: dict[str, WorkerExit]) -> None:
@@ -218,7 +218,7 @@ def test_json_round_trip(workers: dict[str, WorkerExit]) -> None:
     again = FailureReport.from_json(data)
     assert again == report
     assert again.to_json() == data
-    assert again.render() == report.render()
+    assert render_text(again) == render_text(report)
     assert data["failures"][0]["exit"] in {"SIGSEGV (signal 11)", "exit code 1", "exit code 5"}
     with pytest.raises(ValueError, match="not an elastictk failure report"):
         FailureReport.from_json({"schema": "something else"})

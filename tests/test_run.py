@@ -1,6 +1,6 @@
 """elastictk-run end to end: real agents, real workers, real signals.
 
-The worker (tests/agent_worker.py) is tiny and imports no torch, so each launch costs about
+The worker (tests/helpers/agent_worker.py) is tiny and imports no torch, so each launch costs about
 one agent start-up; the full training example runs in test_demo.py.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "tests" / "agent_worker.py")
+WORKER = str(ROOT / "tests" / "helpers" / "agent_worker.py")
 
 
 def launch(*flags: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -174,7 +174,7 @@ def test_missing_script_is_a_usage_error(tmp_path: Path) -> None:
 PRELOAD_RUN = """
 import json, sys
 from elastictk.cli import parse_or_exit
-from elastictk.run import build_agent, start_preload
+from elastictk.agent import build_agent, start_preload
 config = parse_or_exit(sys.argv[1:])
 server = start_preload(config)
 try:
@@ -212,7 +212,7 @@ def test_workers_fork_from_the_preload_server_the_launcher_started_first(tmp_pat
 def test_the_launcher_starts_a_preload_server_only_for_forked_python_workers(
         flags: tuple[str, ...], preloads: bool) -> None:
     from elastictk.cli import parse_or_exit
-    from elastictk.run import start_preload
+    from elastictk.agent import start_preload
 
     config = parse_or_exit(["--standalone", *flags, "/bin/true" if "--no-python" in flags else WORKER])
     server = start_preload(config)

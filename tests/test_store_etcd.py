@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from elastictk.store import (
     Endpoint,
     EndpointError,
-    EtcdServer,
     EtcdStore,
     StoreClosed,
     StoreError,
@@ -31,8 +30,8 @@ from elastictk.store import (
     free_port,
 )
 from elastictk.store.etcd import LeaseExpired, parse_endpoints, range_end
-from elastictk.store.etcd_server import EtcdCluster, EtcdNotInstalled, EtcdStartError, find_etcd
-from tests.store_contract import StoreContract
+from elastictk.testing.etcd import EtcdCluster, EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
+from tests.helpers.store_contract import StoreContract
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,8 +87,10 @@ def test_range_end_bounds_exactly_the_keys_with_the_prefix(prefix: bytes, key: b
 def test_endpoints_parse_with_the_etcd_default_port() -> None:
     assert parse_endpoints("a:1,b") == [Endpoint("a", 1), Endpoint("b", 2379)]
     assert parse_endpoints(["[::1]:5"]) == [Endpoint("::1", 5)]
+    assert parse_endpoints("http://a:1,http://b/") == [Endpoint("a", 1), Endpoint("b", 2379)]
+    assert parse_endpoints("https://[::1]:5") == [Endpoint("::1", 5)]
     with pytest.raises(EndpointError, match="scheme"):
-        EtcdStore("http://127.0.0.1:2379")
+        EtcdStore("unix://127.0.0.1:2379")
 
 
 # -- the store on the shared server ----------------------------------------------------------
@@ -414,7 +415,7 @@ def test_etcd_dies_with_its_owner(tmp_path: Path) -> None:
     owner = _python(
         """
         import sys
-        from elastictk.store import EtcdServer
+        from elastictk.testing import EtcdServer
         server = EtcdServer(base_dir=sys.argv[1]).start()
         print(server.pid, flush=True)
         sys.stdin.read()  # until the test kills this process

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import gc
 import os
 import pickle
 import random
@@ -12,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -22,7 +24,7 @@ from elastictk.store import FileStore, StoreClosed, StoreError, StoreTimeout
 from elastictk.store import file as file_mod
 from elastictk.store._inotify import IN_MOVED_TO, open_watch
 from elastictk.store.file import lock_stripe
-from tests.store_contract import StoreContract
+from tests.helpers.store_contract import StoreContract
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,7 +186,10 @@ def test_path_without_permission_gives_one_line(tmp_path: Path) -> None:
 
 
 def test_closed_store_refuses_and_close_releases_fds(tmp_path: Path) -> None:
-    before = len(os.listdir("/proc/self/fd"))
+    # The set, not the count: an object an earlier test left to the garbage collector may
+    # close one of its fds meanwhile; what matters is that no fd of this store stays open.
+    gc.collect()
+    before = set(os.listdir("/proc/self/fd"))
     s = FileStore(tmp_path)
     s.set("k", b"v")
     with pytest.raises(Exception):
@@ -198,7 +203,7 @@ def test_closed_store_refuses_and_close_releases_fds(tmp_path: Path) -> None:
         s.try_get("k")
     with pytest.raises(StoreClosed):
         s.clone()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert set(os.listdir("/proc/self/fd")) <= before
 
 
 def test_a_held_lock_times_out_naming_the_key(store: FileStore) -> None:
@@ -237,6 +242,145 @@ def test_leftover_temp_files_are_invisible_and_collected(store: FileStore) -> No
         assert again.keys() == []
     assert not stale.exists()
     assert fresh.exists()  # may belong to a writer that is still running
+
+
+# -- an untrusted directory: planted files, loose permissions, durability -------------------------
+def _get_in_thread(store: FileStore, key: str, fifo: Path | None = None) -> BaseException | bytes:
+    """``store.get(key)`` in a thread that must finish within a couple of seconds; a hung
+    ``open`` of a FIFO is released (a writer opens and closes it) so the test cannot hang."""
+    result: list[BaseException | bytes] = []
+
+    def run() -> None:
+        try:
+            result.append(store.get(key, timeout=5))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result.append(e)
+
+    t = threading.Thread(target=run, name="test-store-get", daemon=True)
+    start = time.monotonic()
+    t.start()
+    t.join(timeout=3)
+    hung = t.is_alive()
+    if hung and fifo is not None:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # a reader waits: this opens at once
+        os.close(fd)
+    t.join(timeout=30)
+    assert not hung, "get hung on a planted file"
+    assert time.monotonic() - start < 2.5
+    return result[0]
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "directory", "device"])
+def test_a_non_regular_file_planted_as_a_key_is_a_clear_error(
+        store: FileStore, tmp_path: Path, plant: str) -> None:
+    target = Path(store.path) / file_mod.key_file("rank/0")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the store's")
+    if plant == "fifo":
+        os.mkfifo(target, 0o600)
+    elif plant == "symlink":
+        target.symlink_to(outside)
+    elif plant == "directory":
+        target.mkdir()
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("mknod of a device needs root")
+        os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    got = _get_in_thread(store, "rank/0", target if plant == "fifo" else None)
+    assert isinstance(got, StoreError), got
+    msg = str(got)
+    kind = {"fifo": "a FIFO", "symlink": "a symlink", "directory": "a directory", "device": "a device"}[plant]
+    assert kind in msg and "'rank/0'" in msg and store.path in msg and "remove it" in msg and "\n" not in msg
+    with pytest.raises(StoreError, match=kind):
+        store.try_get("rank/0")
+    assert outside.read_bytes() == b"not the store's"
+    store.set("other", b"fine")  # the rest of the store still works
+    assert store.get("other") == b"fine"
+
+
+def test_a_symlink_planted_as_a_lock_file_is_refused(store: FileStore, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"")
+    (Path(store.path) / f"lock.{lock_stripe('k'):02d}").symlink_to(victim)
+    with pytest.raises(StoreError, match="a symlink"):
+        store.set("k", b"v")
+    assert store.try_get("k") is None
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777], ids=oct)
+def test_a_dir_writable_by_group_or_others_is_refused(tmp_path: Path, mode: int) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(StoreError) as e:
+        FileStore(shared)
+    msg = str(e.value)
+    assert str(shared) in msg and "writable by group or others" in msg and "chmod go-w" in msg
+    assert "\n" not in msg
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.listdir(shared) == []  # refused before it wrote anything
+    shared.chmod(0o750)
+    FileStore(shared).close()  # readable by the group is fine
+
+
+def test_a_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StoreError) as e:
+        FileStore(theirs)
+    msg = str(e.value)
+    assert str(theirs) in msg and "owned by user id 65534" in msg and "\n" not in msg
+
+
+def test_a_dir_the_store_creates_passes_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        with FileStore(tmp_path / "new" / "store") as s:
+            s.set("k", b"v")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new" / "store").stat().st_mode) == 0o700
+
+
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record, in order, each fsync (of a directory or a file) and each rename by the store."""
+    calls: list[str] = []
+    real_fsync, real_replace = file_mod.os.fsync, file_mod.os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(*args: object, **kw: object) -> None:
+        calls.append("rename")
+        real_replace(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_mod.os, "fsync", fsync)
+    monkeypatch.setattr(file_mod.os, "replace", replace)
+    return calls
+
+
+def test_a_durable_write_fsyncs_the_directory_after_the_rename(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with FileStore(tmp_path / "d") as s:
+        calls = _record_fsyncs(monkeypatch)
+        s.set("k", b"v")
+        assert calls == ["fsync file", "rename", "fsync dir"]
+        calls.clear()
+        s.add("n", 1)
+        assert calls == ["fsync file", "rename", "fsync dir"]
+        calls.clear()
+        assert s.delete("k")
+        assert calls == ["fsync dir"]
+        monkeypatch.undo()
+    with FileStore(tmp_path / "nd", durable=False) as fast:
+        calls = _record_fsyncs(monkeypatch)
+        fast.set("k", b"v")
+        assert calls == ["rename"]
 
 
 def test_inotify_watch_sees_a_rename(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Iterator
 import pytest
 
 from elastictk.store import StoreUnreachable, TCPStore, free_port
-from tests.store_contract import StoreContract
+from tests.helpers.store_contract import StoreContract
 
 
 @pytest.fixture
@@ -51,3 +51,17 @@ def test_server_on_a_busy_port_names_the_port(server: TCPStore) -> None:
 def test_raw_store_is_usable_by_torch(store: TCPStore) -> None:
     store.raw.set("from-torch", "v")
     assert store.get("from-torch") == b"v"
+
+
+def test_a_clone_of_a_view_owns_its_connection_and_closing_it_closes_it(store: TCPStore) -> None:
+    from elastictk.store import PrefixStore, StoreClosed
+
+    view = PrefixStore("job", store)
+    clone = view.clone()
+    clone.set("k", b"v")
+    clone.close()
+    with pytest.raises(StoreClosed):
+        clone.try_get("k")
+    assert view.try_get("k") == b"v", "closing a clone leaves the view and its store open"
+    view.close()
+    assert store.try_get("job/k") == b"v", "closing a view leaves the store under it open"

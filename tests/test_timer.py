@@ -22,7 +22,8 @@ import pytest
 
 from elastictk import timer
 from elastictk.timer import Expiry, TimerError, TimerServer
-from elastictk.timer.proc import ProcessHandle, start_time
+from elastictk.lifetime.handle import ProcessHandle
+from elastictk.lifetime.procfs import start_time
 
 PRELUDE = "import os, sys, time\nfrom elastictk import timer\n"
 

@@ -20,7 +20,7 @@ from elastictk.supervisor.logs import LogDirError, claim_run_dir
 from elastictk.supervisor.report import failure_of
 from elastictk.supervisor.process import WorkerStartError
 from elastictk.supervisor.spec import Std, WorkerSpec, python_module_argv, python_script_argv
-from tests import supervisor_workers as sw
+from tests.helpers import supervisor_workers as sw
 
 
 def assignment(lws: int = 2, group_rank: int = 1, nodes: int = 2, **kw: object) -> Assignment:

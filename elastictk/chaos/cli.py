@@ -15,28 +15,32 @@ run's own), which makes ``kill-agent on node:N`` and ``store-outage:<s> on store
 
 Flags before ``--`` that are not elastictk-chaos's own go to ``elastictk-run`` unchanged; after
 ``--`` comes the training command, where ``{run_dir}`` stands for a directory of each run's own
-(so a fault-free comparison run never resumes from the chaos run's checkpoints). Exit codes: 0 when every invariant held, 1 when one broke
-(each broken one is named), 2 for bad input.
+(so a fault-free comparison run never resumes from the chaos run's checkpoints). Exit codes: 0
+when every invariant held, 1 when one broke (each broken one is named), 2 for bad input.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..faults import FaultPlan, PlanError, generate_plan
+from ..faults.kinds import HANGS
 from . import report
 from .cluster import BACKENDS
 from .expect import Shape
 from .multinode import run_nodes
-from .runner import OUTSIDE_SIGNALS, RunRecord, run_job
-from .timeline import draw
+from .runner import OUTSIDE_SIGNALS, RunRecord, Stopped, owning_signals, run_job, stopped_by
+from .timeline import run_name, write_timeline
 
 PROG = "elastictk-chaos"
 NODE_KINDS = ("kill-agent", "store-outage")
+#: ``--nodes`` at most: each node is an agent process (with its workers) on this machine.
+MAX_NODES = 64
 OWN_FLAGS = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--event-log",
              "--log-dir", "--log_dir")
 
@@ -65,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the job once without faults first and check the final checksums agree")
     p.add_argument("--expect-checksum", default=None, help="the final checksum a fault-free run prints")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is stopped (default 600)")
+    p.add_argument("--allow-unfired", action="store_true", help="a planned fault that did not fire is a "
+                   "warning, not a failed run (each is still named, with why)")
+    p.add_argument("--no-auto-steps", action="store_true", help="do not count optimizer steps as steps in "
+                   "workers whose script never calls elastictk.faults.checkpoint(step)")
     return p
 
 
@@ -87,7 +95,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]
     return ns, launcher, command
 
 
-def _window(text: str, flag: str, typ: type) -> tuple:  # type: ignore[type-arg]
+def _window(text: str, flag: str, typ: type) -> tuple:
     lo, sep, hi = text.partition(":")
     try:
         window = (typ(lo), typ(hi))
@@ -115,6 +123,20 @@ def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float], no
                          nodes=nodes, spare_nodes=spare, **when)
 
 
+def with_progress_watchdog(plan: FaultPlan, launcher: list[str],
+                           collective_timeout: Optional[float]) -> list[str]:
+    """A plan with hangs gets the progress watchdog at twice the collective timeout unless the
+    launcher flags set one: a rank frozen inside DDP's all-reduce (issued from C++, so no
+    collective timer is armed around it) is caught by its missing steps, within a bound of
+    the same order as the timers'. Twice, so a ``slow:<s>`` step (kept below the collective
+    timeout) is never taken for a hang."""
+    hangs = any(f.kind in HANGS for f in plan.faults)
+    given = any(a.split("=")[0] in ("--progress-timeout", "--progress_timeout") for a in launcher)
+    if not hangs or given or collective_timeout is None:
+        return launcher
+    return [*launcher, "--progress-timeout", f"{2 * collective_timeout:g}"]
+
+
 def check_supported(plan: FaultPlan, world: int, nodes: int = 1) -> None:
     for i, f in enumerate(plan.faults):
         if f.kind in NODE_KINDS and nodes < 2:
@@ -135,6 +157,9 @@ def check_nodes(ns: argparse.Namespace, launcher: list[str]) -> None:
     """The multi-node flags that make sense together, one line for those that do not."""
     if ns.nodes < 1:
         raise Usage(f"--nodes {ns.nodes}: give at least 1")
+    if ns.nodes > MAX_NODES:
+        raise Usage(f"--nodes {ns.nodes}: at most {MAX_NODES}: each node is an agent process on this "
+                    "machine; run a larger job across hosts with elastictk-run")
     if ns.nodes == 1:
         if ns.rejoin is not None or ns.kill_store_host:
             raise Usage("--rejoin and --kill-store-host need several nodes: pass --nodes N")
@@ -175,6 +200,22 @@ class Progress:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse, run, report; SIGTERM/SIGINT/SIGHUP stop the job (every process of it) and exit
+    128+N."""
+    with owning_signals():
+        try:
+            code = _main(argv)
+        except Stopped:
+            code = 1
+        sig = stopped_by()
+    if sig is not None:
+        print(f"{PROG}: stopped by {signal.Signals(sig).name}: the job's processes were stopped",
+              file=sys.stderr)
+        return 128 + int(sig)
+    return code
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     from ..cli import args as run_args
     from ..cli.values import UsageError
 
@@ -184,9 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if replay is not None:
             plan, rlaunch, rcommand = replay
             launcher, command = launcher or rlaunch, command or rcommand
-            multi = report.replay_multinode(ns.replay)
+            multi = report.replay_multinode(ns.replay, MAX_NODES)
             if multi is not None and ns.nodes == 1:
-                ns.nodes, ns.rejoin = int(multi.get("nodes", 1)), multi.get("rejoin_s")
+                ns.nodes, ns.rejoin = multi["nodes"], multi["rejoin_s"]
         check_nodes(ns, launcher)
         if ns.nodes > 1 and not any(a.split("=")[0] == "--nnodes" for a in launcher):
             launcher = ["--nnodes", str(ns.nodes), *launcher]
@@ -209,6 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if replay is None:
             plan = build_plan(ns, world, config.collective_timeout, ns.nodes, config.rdzv_backend)
         check_supported(plan, world, ns.nodes)
+        launcher = with_progress_watchdog(plan, launcher, config.collective_timeout)
     except (Usage, PlanError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -221,6 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         clean = run_job(None, launcher, command, out, timeout=ns.timeout, tag="fault-free") if ns.nodes == 1 \
             else run_nodes(None, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
                            nproc=int(config.nproc_per_node), timeout=ns.timeout, tag="fault-free")
+        if stopped_by() is not None:
+            return 1
         if clean.exit_code != 0 or clean.checksum is None:
             print(f"{PROG}: error: the fault-free run did not finish with a checksum (exit "
                   f"{clean.exit_code}); see {out}/fault-free-logs", file=sys.stderr)
@@ -234,22 +278,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       float(config.rdzv_conf.get("heartbeat_timeout", max(10.0, hb * 3))), ns.rejoin is not None)
         multi = {"nodes": ns.nodes, "backend": config.rdzv_backend, "rejoin_s": ns.rejoin}
         rec = run_nodes(plan, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
-                        nproc=int(config.nproc_per_node), timeout=ns.timeout, rejoin_s=ns.rejoin, progress=prog)
+                        nproc=int(config.nproc_per_node), timeout=ns.timeout, rejoin_s=ns.rejoin, progress=prog,
+                        auto_steps=not ns.no_auto_steps)
     else:
-        rec = run_job(plan, launcher, command, out, timeout=ns.timeout, progress=prog)
+        rec = run_job(plan, launcher, command, out, timeout=ns.timeout, progress=prog,
+                      auto_steps=not ns.no_auto_steps)
     prog.done()
+    if stopped_by() is not None:
+        return 1
     rows = report.fault_rows(plan, rec, shape)
     checks = report.check(plan, rec, rows, max_restarts=config.max_restarts, ckpt_every=ns.ckpt_every,
-                          expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node))
+                          expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node),
+                          allow_unfired=ns.allow_unfired, snapshot=tuple(config.snapshot),
+                          snapshot_every=config.snapshot_every)
     tot = report.totals(rec, rows)
     print(report.render(rows, tot, checks))
     data = report.to_json(plan, rec, rows, checks, launcher, command, multi)
     (out / "chaos-report.json").write_text(json.dumps(data, indent=2) + "\n")
-    draw(rec, out / "chaos-timeline.png", world)
     (out / "job-stdout.log").write_text(rec.stdout)
     (out / "job-stderr.log").write_text(rec.stderr)
-    print(f"{PROG}: report in {out}/chaos-report.json, timeline in {out}/chaos-timeline.png", file=sys.stderr)
+    picture = write_timeline(rec, out / "chaos-timeline.png", world, title=run_name(command, world), seed=plan.seed)
+    print(f"{PROG}: report in {out}/chaos-report.json, {picture}", file=sys.stderr)
     broken = [c for c in checks if not c.ok]
+    for r in rows:
+        if not r.fired:
+            print(f"{PROG}: {'warning' if ns.allow_unfired else 'error'}: fault #{r.index} ({r.kind} on "
+                  f"{r.target} at {r.planned}) did not fire: {r.why}", file=sys.stderr)
     for c in broken:
         print(f"{PROG}: invariant broken: {c.name}: {c.detail}", file=sys.stderr)
     return 1 if broken else 0

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics.events import read_events
 from ..store import free_port
-from ..supervisor.reaper import dies_with_caller
+from ..lifetime.reaper import dies_with_caller
 
 BACKENDS = ("c10d", "etcd")
 
@@ -74,7 +74,7 @@ class Cluster:
     def start(self, ready_timeout: float = 60.0) -> None:
         """Start the store (etcd) and the agents, in index order."""
         if self.backend == "etcd":
-            from ..store.etcd_server import EtcdServer
+            from ..testing.etcd import EtcdServer
 
             self.etcd = EtcdServer(base_dir=self.out).start()
             self.endpoint = self.etcd.endpoint
@@ -89,7 +89,8 @@ class Cluster:
     def argv(self, node: int, events: Path) -> list[str]:
         """Node ``node``'s ``python -m elastictk.run`` command line (the flags name the backend)."""
         logs = self.out / f"{self.tag}-logs" / f"node{node}"
-        return [sys.executable, "-m", "elastictk.run", *self.flags, "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
+        return [sys.executable, "-m", "elastictk.run", *self.flags,
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
                 "--event-log", str(events), "--log-dir", str(logs), *self.command]
 
     def spawn(self, node: int) -> Incarnation:
@@ -159,7 +160,9 @@ class Cluster:
         """SIGKILL node ``node``'s running agent (its workers die with it by their death
         signal); the PID, or None when that node runs no agent now."""
         inc = self.current(node)
-        if inc is None or inc.proc.poll() is not None:
+        # Killed already (its rejoin still to come): a second kill would fire at nothing, and
+        # schedule a second rejoin, one node more than the job has.
+        if inc is None or inc.killed or inc.proc.poll() is not None:
             return None
         if self.backend == "c10d" and node == 0 and self.store_paused:
             self.resume_store()
@@ -170,7 +173,7 @@ class Cluster:
     def store_pid(self) -> Optional[int]:
         """The process that serves the store: etcd, or the agent of node 0 under c10d."""
         if self.etcd is not None:
-            return self.etcd.pid  # type: ignore[no-any-return]
+            return self.etcd.pid
         inc = self.current(0)
         return inc.pid if inc is not None and inc.proc.poll() is None and inc.number == 0 else None
 

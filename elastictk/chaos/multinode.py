@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -29,10 +30,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from ..faults import FaultPlan
 from ..metrics.events import read_events
 from .cluster import Cluster
+from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
+    _shm, fault_env, late, read_fault_log, read_progress, record_leaks, stop_requested, stopped_by
 
 FULL_SIZE_WAIT = 60.0
-from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
-    _shm, fault_env, read_fault_log, record_leaks
 
 
 def tag_events(per_node: Iterable[tuple[int, list[Any]]]) -> list[Any]:
@@ -77,7 +78,8 @@ def full_size_at(events: Sequence[Any], world: int, nodes: int) -> Optional[floa
 def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
               out_dir: Path, *, nodes: int, backend: str, nproc: int, timeout: float,
               rejoin_s: Optional[float] = None,
-              progress: Optional[Callable[[RunRecord], None]] = None, tag: str = "chaos") -> RunRecord:
+              progress: Optional[Callable[[RunRecord], None]] = None, tag: str = "chaos",
+              auto_steps: bool = True) -> RunRecord:
     """Run the job on ``nodes`` agents to its end (or ``timeout``), injecting ``plan``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fault_log = out_dir / f"{tag}-faults.jsonl"
@@ -86,7 +88,7 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
     command = [a.replace("{run_dir}", str(run_dir)) for a in command]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan is not None:
-        env.update(fault_env(plan, out_dir, tag, fault_log))
+        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps))
     shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=[], started=time.monotonic(), nodes=nodes, backend=backend)
 
@@ -98,6 +100,7 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
     cluster = Cluster(nodes, backend, launcher_flags, command, out_dir, env, tag=tag, on_line=on_line)
     outside = list(plan.time_faults()) if plan is not None else []
     later: list[tuple[float, str, int]] = []  # (when, "resume" | "rejoin", node)
+    due: list[tuple[int, Any]] = []  # time faults due, not yet fired
     deadline = rec.started + timeout
     try:
         cluster.start()
@@ -105,19 +108,31 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
         rec.store_endpoint = cluster.endpoint
         while cluster.running():
             now = time.monotonic()
-            if now > deadline:
+            if now > deadline or stop_requested():
+                rec.stopped = "timeout" if not stop_requested() else signal.Signals(stopped_by() or 15).name
                 cluster.terminate()
                 break
-            _refresh(rec, cluster, fault_log)
+            _refresh(rec, cluster, fault_log, nproc)
             if rec.clock is None:
                 rec.clock = full_size_at(rec.events, nodes * nproc, nodes)
                 if rec.clock is None and now - rec.started > FULL_SIZE_WAIT:
                     rec.clock = now
             while outside and rec.clock is not None and now - rec.clock >= float(outside[0][1].at_s or 0):
-                index, fault = outside.pop(0)
+                due.append(outside.pop(0))
+            for pending in list(due):
+                index, fault = pending
                 inj = _inject(index, fault, rec, cluster, nproc, later, rejoin_s)
                 if inj is not None:
                     rec.injections.append(inj)
+                    rec.unfired.pop(index, None)
+                    due.remove(pending)
+                    continue
+                rec.unfired[index] = (f"{fault.target} was not running at "
+                                      f"{now - (rec.clock or now):.1f}s after the planned times' start")
+                # A worker target between rounds is hit once it runs again (within the grace);
+                # an agent or a store is there or not: no second try.
+                if fault.kind in ("kill-agent", "store-outage") or late(rec, fault, now):
+                    due.remove(pending)
             for item in [x for x in later if x[0] <= now]:
                 later.remove(item)
                 if item[1] == "resume":
@@ -127,13 +142,15 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
                     rec.rejoins.append((now, item[2]))
             if progress is not None:
                 progress(rec)
+            if stop_requested():
+                continue
             time.sleep(0.05)
     finally:
         cluster.close()
     rec.ended = time.monotonic()
     rec.exit_code = cluster.exit_code()
     rec.stdout, rec.stderr = cluster.stdout(), cluster.stderr()
-    _refresh(rec, cluster, fault_log)
+    _refresh(rec, cluster, fault_log, nproc)
     rec.agents = [{"node": x.node, "agent": x.number, "pid": x.pid, "exit": x.proc.returncode,
                    "killed": x.killed} for x in cluster.incarnations]
     record_leaks(rec, shm_before, ports_before)
@@ -142,7 +159,7 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
     return rec
 
 
-def _refresh(rec: RunRecord, cluster: Cluster, fault_log: Path) -> None:
+def _refresh(rec: RunRecord, cluster: Cluster, fault_log: Path, nproc: int) -> None:
     per = [(x.node, read_events(x.events)) for x in cluster.incarnations if x.events.exists()]
     rec.events = tag_events(per)
     rec.pids |= cluster.pids()
@@ -153,6 +170,8 @@ def _refresh(rec: RunRecord, cluster: Cluster, fault_log: Path) -> None:
             rec.finished_somewhere = True
     rec.injections = sorted([i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log),
                             key=lambda i: i.mono)
+    rec.progress = read_progress(fault_log)
+    rec.ranks_seen.update(workers_by_rank(rec.events, max(1, nproc)))
 
 
 def _inject(index: int, fault: Any, rec: RunRecord, cluster: Cluster, nproc: int,

@@ -5,6 +5,11 @@ user gets, nothing special-cased. The plan reaches the workers through the envir
 faults fire inside them, see ``elastictk.faults.inworker``); time faults are signals sent from
 here, only to PIDs the agent itself reported in its event log and only while they are still
 descendants of the launcher we started, so nothing outside the job is ever touched.
+
+The runner owns the job: the launcher dies with it (``PR_SET_PDEATHSIG``, and the launcher's
+death watch then takes its workers), and SIGTERM, SIGINT or SIGHUP to this process (see
+:func:`owning_signals`) or the run's ``timeout`` stop the launcher with SIGTERM, then SIGKILL
+after a grace period.
 """
 from __future__ import annotations
 
@@ -16,20 +21,59 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import psutil
 
 from ..faults import FaultPlan
-from ..faults.env import worker_env
+from ..faults.env import AUTO_OPTIMIZER, worker_env
+from ..lifetime.reaper import dies_with_caller
 from ..metrics.events import read_events
 
 STEP_LINE = re.compile(r"\bstep (\d+)\b")
 CHECKSUM_LINE = re.compile(r"final checksum (\S+)")
 OUTSIDE_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigsegv": signal.SIGSEGV,
                    "hang": signal.SIGSTOP}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 30.0  # after SIGTERM, how long the launcher gets to stop its workers
+FIRST_WORKERS_WAIT = 120.0  # no workers by then: time faults count from then (they find no target)
+
+_stop = threading.Event()
+_stopped_by: list[int] = []
+
+
+@contextmanager
+def owning_signals() -> Iterator[None]:
+    """While inside, SIGTERM/SIGINT/SIGHUP do not kill this process at once: they stop the
+    running job (its launcher gets SIGTERM, then SIGKILL), and :func:`stopped_by` names the
+    signal afterwards. The handlers before are restored on the way out."""
+    def handler(signum: int, frame: Any) -> None:
+        _stopped_by.append(signum)
+        _stop.set()
+
+    _stop.clear()
+    _stopped_by.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only: its owner handles them
+        return
+    old = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def stopped_by() -> Optional[int]:
+    """The signal that stopped the run, or None."""
+    return _stopped_by[0] if _stopped_by else None
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
 
 
 @dataclass
@@ -59,6 +103,10 @@ class RunRecord:
     stdout: str = ""
     stderr: str = ""
     injections: list[Injection] = field(default_factory=list)
+    progress: list[dict[str, Any]] = field(default_factory=list)  # the workers' progress lines
+    ranks_seen: set[int] = field(default_factory=set)  # global ranks that ever had a worker
+    unfired: dict[int, str] = field(default_factory=dict)  # fault index -> why the runner did not inject it
+    stopped: str = ""  # "timeout" or a signal name when the run was stopped
     events: list[Any] = field(default_factory=list)
     pids: set[int] = field(default_factory=set)
     steps: list[tuple[float, int]] = field(default_factory=list)  # (mono, step) as lines arrived
@@ -73,7 +121,7 @@ class RunRecord:
     agents: list[dict[str, Any]] = field(default_factory=list)
     rejoins: list[tuple[float, int]] = field(default_factory=list)
     finished_somewhere: bool = False
-    clock: Optional[float] = None  # multi-node: when time faults start counting (full size)
+    clock: Optional[float] = None  # when time faults start counting: workers first ran (every node's)
 
     @property
     def checksum(self) -> Optional[str]:
@@ -89,7 +137,7 @@ def launcher_argv(launcher_flags: Sequence[str], command: Sequence[str], events:
 
 def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
             out_dir: Path, *, timeout: float, progress: Optional[Callable[[RunRecord], None]] = None,
-            tag: str = "chaos") -> RunRecord:
+            tag: str = "chaos", auto_steps: bool = True) -> RunRecord:
     """Run the job to its end (or ``timeout``), injecting ``plan``; return the record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     events, fault_log = out_dir / f"{tag}-events.jsonl", out_dir / f"{tag}-faults.jsonl"
@@ -100,11 +148,15 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     run_dir = out_dir / f"{tag}-run"  # per-run paths (checkpoints) via "{run_dir}" in the command
     command = [a.replace("{run_dir}", str(run_dir)) for a in command]
     if plan is not None:
-        env.update(fault_env(plan, out_dir, tag, fault_log))
+        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps))
     argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")
     shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=argv, started=time.monotonic())
-    proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if _stop.is_set():
+        raise Stopped(stopped_by())
+    # The launcher dies with this process (PR_SET_PDEATHSIG), its workers with the launcher.
+    proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=dies_with_caller())
     rec.pids.add(proc.pid)
     out_lines: list[str] = []
     err_lines: list[str] = []
@@ -113,26 +165,33 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     for t in readers:
         t.start()
     outside = [(i, f) for i, f in (plan.time_faults() if plan is not None else [])]
+    due: list[tuple[int, Any]] = []
     deadline = rec.started + timeout
     try:
         while proc.poll() is None:
             now = time.monotonic()
-            if now > deadline:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            if now > deadline or _stop.is_set():
+                rec.stopped = "timeout" if not _stop.is_set() else signal.Signals(stopped_by() or 15).name
+                stop_process(proc)
                 break
             _refresh(rec, events, fault_log, proc.pid)
-            while outside and now - rec.started >= float(outside[0][1].at_s or 0):
-                index, fault = outside.pop(0)
+            if outside and rec.clock is None:  # time faults count from when workers first ran
+                rec.clock = first_workers_at(rec.events)
+                if rec.clock is None and now - rec.started > FIRST_WORKERS_WAIT:
+                    rec.clock = now
+            while outside and rec.clock is not None and now - rec.clock >= float(outside[0][1].at_s or 0):
+                due.append(outside.pop(0))
+            for item in list(due):  # a target between rounds is hit once it runs again
+                index, fault = item
                 inj = _inject_outside(index, fault, rec, proc.pid)
                 if inj is not None:
                     rec.injections.append(inj)
+                    rec.unfired.pop(index, None)
+                if inj is not None or late(rec, fault, now):
+                    due.remove(item)
             if progress is not None:
                 progress(rec)
-            time.sleep(0.05)
+            _stop.wait(0.05)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -149,23 +208,58 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
     return rec
 
 
-def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path) -> dict[str, str]:
-    """The workers' environment that arms the plan's step faults (saved next to the report)."""
-    return worker_env(plan.save(out_dir / f"{tag}-plan.json"), log_path=fault_log)
+def first_workers_at(events: Sequence[Any]) -> Optional[float]:
+    """When the job's workers first ran (its first ``workers_started``): where planned times
+    start counting, so a fault due at 2 s never lands while the launcher is still starting
+    (which takes seconds on a loaded machine), as with several nodes."""
+    return next((float(e.mono) for e in events if e.kind == "workers_started"), None)
 
 
-def read_fault_log(fault_log: Path) -> list[Injection]:
-    """The step faults the workers fired, from their fault log."""
-    out: list[Injection] = []
+class Stopped(Exception):
+    """The run was stopped by a signal before it started."""
+
+
+def stop_process(proc: "subprocess.Popen[str]", grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM the launcher (it stops its workers), SIGKILL it after ``grace`` (its death watch
+    then kills the workers)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path,
+              auto_steps: bool = True) -> dict[str, str]:
+    """The workers' environment that arms the plan's step faults (saved next to the report);
+    ``auto_steps`` counts optimizer steps for scripts that never call ``checkpoint``."""
+    return worker_env(plan.save(out_dir / f"{tag}-plan.json"), log_path=fault_log,
+                      auto=AUTO_OPTIMIZER if auto_steps else 0)
+
+
+def _fault_lines(fault_log: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     if fault_log.exists():
         for line in fault_log.read_text().splitlines():
             try:
                 d = json.loads(line)
             except ValueError:
                 continue
-            out.append(Injection(int(d["fault"]), str(d["kind"]), str(d["target"]),
-                                 float(d["monotonic"]), int(d["pid"]), d.get("step")))
+            if isinstance(d, dict):
+                out.append(d)
     return out
+
+
+def read_fault_log(fault_log: Path) -> list[Injection]:
+    """The step faults the workers fired, from their fault log."""
+    return [Injection(int(d["fault"]), str(d["kind"]), str(d["target"]), float(d["monotonic"]),
+                      int(d["pid"]), d.get("step")) for d in _fault_lines(fault_log) if "fault" in d]
+
+
+def read_progress(fault_log: Path) -> list[dict[str, Any]]:
+    """The workers' ``progress`` lines (step source and step, at the first step and at exit)."""
+    return [d for d in _fault_lines(fault_log) if "progress" in d]
 
 
 def _read(stream: Any, sink: list[str], rec: Optional[RunRecord]) -> None:
@@ -183,18 +277,38 @@ def _refresh(rec: RunRecord, events: Path, fault_log: Path, launcher: int) -> No
         rec.events = read_events(events)
         for e in rec.events:
             if e.kind == "workers_started":
-                rec.pids.update(int(p) for p in (e.fields.get("pids") or {}).values())
+                pids = e.fields.get("pids") or {}
+                rec.pids.update(int(p) for p in pids.values())
+                rec.ranks_seen.update(int(r) for r in pids)  # local rank == global on one node
+            elif e.kind == "inplace_recovery":
+                rec.pids.update(int(p) for p in (e.fields.get("replaced") or {}).values()
+                                if str(p).isdigit())
     inside = [i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log)
     rec.injections = sorted(inside, key=lambda i: i.mono)
+    rec.progress = read_progress(fault_log)
 
 
 def _current_workers(rec: RunRecord) -> dict[int, int]:
     """Global rank → PID of the attempt running now, from the last ``workers_started``."""
-    for e in reversed(rec.events):
+    pids: dict[int, int] = {}
+    for e in rec.events:  # local rank == global rank on a single node
         if e.kind == "workers_started":
             pids = {int(k): int(v) for k, v in (e.fields.get("pids") or {}).items()}
-            return pids  # local rank == global rank on a single node
-    return {}
+        elif e.kind == "inplace_recovery":  # in place: the replacements of the failed ranks
+            pids.update({int(k): int(v) for k, v in (e.fields.get("replaced") or {}).items()})
+    return pids
+
+
+#: A time fault whose target is not running when it is due (its workers are being restarted
+#: after an earlier fault, its round is re-forming) fires as soon as the target runs again,
+#: within this many seconds of the planned time; only then has it not fired. Under load a
+#: restart takes seconds, and a fault planned into that gap says nothing about the job.
+LATE_GRACE_S = 15.0
+
+
+def late(rec: RunRecord, fault: Any, now: float) -> bool:
+    """Whether a due time fault that found no target is past its grace."""
+    return now - (rec.clock if rec.clock is not None else rec.started) - float(fault.at_s or 0) > LATE_GRACE_S
 
 
 def _inject_outside(index: int, fault: Any, rec: RunRecord, launcher: int) -> Optional[Injection]:
@@ -207,6 +321,9 @@ def _inject_outside(index: int, fault: Any, rec: RunRecord, launcher: int) -> Op
     sig = OUTSIDE_SIGNALS.get(fault.kind)
     hit = [pid for pid in targets if pid in ours]
     if sig is None or not hit:
+        at = time.monotonic() - (rec.clock if rec.clock is not None else rec.started)
+        rec.unfired[index] = (f"{fault.target} had no running worker at {at:.1f}s (ranks then: "
+                              f"{', '.join(map(str, sorted(workers))) or 'none'})")
         return None
     now = time.monotonic()
     for pid in hit:

@@ -1,165 +1,313 @@
-"""``chaos-timeline.png``: ranks over time, with faults and restarts, drawn without a plotting
-library (a small raster and the PNG format's own zlib stream; a chaos run needs one picture,
-not a dependency).
+"""``chaos-timeline.png``: what a chaos run did, over time, as a picture worth looking at.
 
-Rows are ranks (``R0``, ``R1``, ...), green where that rank's worker was running, red ticks
-where a fault hit it, blue columns where the agent restarted the job, and a time axis in
-seconds along the bottom.
+Drawn with matplotlib (the well-kept standard, the optional ``elastictk[plots]`` extra; the
+``Agg`` backend, so no display is needed): a lane per rank (a multi-node run: per node), green
+while that rank's worker ran, each fault marked where it hit with its kind and target, restarts
+of the whole job (a blue line across every lane) told apart from in-place recoveries (a purple
+diamond on the replaced rank only), store outages as orange bands, the last step each worker
+process reached at the end of its bar, a legend, and a title naming the run and its seed.
+
+Without matplotlib the report is still written; :func:`write_timeline` says in one line that
+the picture was skipped and how to get it. ``python -m elastictk.chaos.timeline REPORT_DIR``
+draws it again from a report directory (``record_from_dir``).
 """
 from __future__ import annotations
 
-import struct
-import zlib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Optional, Sequence
 
-from .runner import RunRecord
+from ..metrics.events import read_events
+from .multinode import tag_events
+from .runner import Injection, RunRecord
 
-_LEFT, _TOP, _ROW_H, _GAP = 44, 12, 22, 6  # lane geometry, pixels
-
-GREEN, RED, BLUE, GREY, BLACK, WHITE = (60, 170, 80), (220, 40, 40), (50, 90, 220), \
-    (225, 225, 225), (30, 30, 30), (255, 255, 255)
-_FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-    "R": ("110", "101", "110", "101", "101"), "s": ("000", "011", "110", "011", "110"),
-    ".": ("000", "000", "000", "000", "010"), "N": ("101", "111", "111", "111", "101"),
-}
-ORANGE = (240, 150, 30)
+INSTALL_HINT = "pip install 'elastictk[plots]'"
+STOPS = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed",
+         "timer_expired", "hang_detected")
+NODE_STOPS = STOPS + ("membership_changed", "store_lost")
+RUNNING, FAULT, RESTART, INPLACE, OUTAGE = "#3caa50", "#dc2828", "#325ad2", "#8e44ad", "#f09a1e"
 
 
-class Canvas:
-    def __init__(self, width: int, height: int) -> None:
-        self.w, self.h = width, height
-        self.px = bytearray(WHITE * (width * height))
+@dataclass
+class Lanes:
+    """What the picture shows, in seconds since the run started: pure data, no matplotlib."""
 
-    def rect(self, x0: int, y0: int, x1: int, y1: int, rgb: tuple[int, int, int]) -> None:
-        x0, x1 = max(0, min(x0, x1)), min(self.w, max(x0, x1))
-        y0, y1 = max(0, min(y0, y1)), min(self.h, max(y0, y1))
-        row = bytes(rgb) * (x1 - x0)
-        for y in range(y0, y1):
-            i = (y * self.w + x0) * 3
-            self.px[i:i + len(row)] = row
-
-    def text(self, x: int, y: int, s: str, rgb: tuple[int, int, int] = BLACK, scale: int = 2) -> None:
-        for ch in s:
-            glyph = _FONT.get(ch)
-            if glyph:
-                for gy, bits in enumerate(glyph):
-                    for gx, b in enumerate(bits):
-                        if b == "1":
-                            self.rect(x + gx * scale, y + gy * scale, x + (gx + 1) * scale,
-                                      y + (gy + 1) * scale, rgb)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.px[y * self.w * 3:(y + 1) * self.w * 3]) for y in range(self.h))
-
-        def chunk(tag: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-        head = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(raw, 9)) + \
-            chunk(b"IEND", b"")
+    labels: list[str]
+    bars: list[tuple[int, float, float]] = field(default_factory=list)  # (lane, start, end)
+    faults: list[tuple[int, float, str]] = field(default_factory=list)  # (lane, t, "kind target")
+    restarts: list[tuple[float, Optional[int]]] = field(default_factory=list)  # (t, lane or all)
+    inplace: list[tuple[int, float, float]] = field(default_factory=list)  # (lane, failed, formed)
+    outages: list[tuple[float, float]] = field(default_factory=list)  # store unreachable
+    steps: list[tuple[int, float, int]] = field(default_factory=list)  # (lane, t, last step)
+    span: float = 0.0
 
 
-def draw(rec: RunRecord, path: Path, world: int, width: int = 960) -> Path:
-    """Write the timeline of ``rec`` (a job of ``world`` ranks on one node) to ``path``; a
-    multi-node run gets a row per node instead (``N0``, ``N1``...), orange where the store was
-    out."""
+def lanes_of(rec: RunRecord, world: int) -> Lanes:
+    """The lanes of ``rec`` (a job of ``world`` ranks): per rank, or per node when multi-node."""
+    span = max(1e-6, rec.ended - rec.started)
     if rec.nodes > 1:
-        return _draw_nodes(rec, path, world // rec.nodes, width)
-    c, x, y = _lanes(rec, width, world, "R")
-    start: Optional[float] = None
-    ranks: list[int] = []
-    for e in rec.events + [None]:  # type: ignore[operator]
-        kind = None if e is None else e.kind
-        if start is not None and (e is None or kind in ("worker_failed", "peer_failed", "workers_stopped",
-                                                       "job_finished", "job_failed", "timer_expired")):
-            end = rec.ended if e is None else e.mono
-            for r in ranks:
-                c.rect(x(start), y(r) + 3, x(end), y(r) + _ROW_H - 3, GREEN)
-            start = None
-        if e is not None and kind == "workers_started":
-            start = e.mono
-            ranks = [int(k) for k in (e.fields.get("pids") or {}) if int(k) < world]
-        elif e is not None and kind == "restart":
-            c.rect(x(e.mono) - 1, _TOP - 4, x(e.mono) + 2, y(world) - _GAP + 4, BLUE)
+        out = _node_lanes(rec, world // rec.nodes)
+    else:
+        out = _rank_lanes(rec, world)
+    out.span = span
     for inj in rec.injections:
+        if inj.kind.startswith("store-outage"):
+            t = inj.mono - rec.started
+            out.outages.append((t, t + float(inj.kind.split(":", 1)[1])))
+    return out
+
+
+def _rank_lanes(rec: RunRecord, world: int) -> Lanes:
+    out = Lanes([f"rank {r}" for r in range(world)])
+    t0 = rec.started
+    since: dict[int, float] = {}
+    failed: dict[int, float] = {}
+    forming: list[tuple[int, float]] = []  # replaced, waiting for their generation to form
+    for e in rec.events:
+        t, kind = e.mono - t0, e.kind
+        if kind == "workers_started":
+            for r in (int(k) for k in (e.fields.get("pids") or {})):
+                if r < world:
+                    since.setdefault(r, t)
+        elif kind == "worker_failed" and e.fields.get("recovery") == "in-place":
+            gone = _int(e.fields.get("rank", e.fields.get("local_rank")))
+            if gone is not None and gone in since:
+                out.bars.append((gone, since.pop(gone), t))
+                failed[gone] = t
+        elif kind in STOPS:
+            for r, s in since.items():
+                out.bars.append((r, s, t))
+            since.clear()
+        if kind == "restart":
+            out.restarts.append((t, None))
+        elif kind == "inplace_recovery":
+            for lr in (e.fields.get("replaced") or {}):
+                new = _int(lr)
+                if new is not None and new < world:
+                    forming.append((new, failed.pop(new, t)))
+                    since.setdefault(new, t)
+        elif kind in ("inplace_recovered", "inplace_fallback"):
+            out.inplace += [(r, f, t) for r, f in forming]
+            forming = []
+    out.inplace += [(r, f, f) for r, f in forming]
+    for r, s in since.items():
+        out.bars.append((r, s, rec.ended - t0))
+    for inj in rec.injections:
+        if inj.kind.startswith("store-outage"):
+            continue
         hit = [int(inj.target.split(":")[1])] if inj.target.startswith("rank:") else list(range(world))
         for r in hit:
             if r < world:
-                c.rect(x(inj.mono) - 2, y(r) - 3, x(inj.mono) + 3, y(r) + _ROW_H + 3, RED)
-    _axis(c, rec, x, y(world) + 2, _LEFT, width, max(1e-6, rec.ended - rec.started))
-    path.write_bytes(c.png())
-    return path
+                out.faults.append((r, inj.mono - t0, f"{inj.kind} {inj.target}"))
+    for p in rec.progress:
+        rank, step = _int(p.get("rank")), _int(p.get("step"))
+        if p.get("progress") == "exit" and rank is not None and rank < world and step is not None:
+            out.steps.append((rank, float(p.get("monotonic", rec.ended)) - t0, step))
+    return out
 
 
-def _axis(c: Canvas, rec: RunRecord, x, base: int, left: int, width: int, span: float) -> None:  # type: ignore[no-untyped-def]
-    c.rect(left, base, width - 10, base + 1, BLACK)
-    step = max(1, int(span / 8) or 1)
-    t = 0
-    while t <= span:
-        c.rect(x(rec.started + t), base, x(rec.started + t) + 1, base + 5, BLACK)
-        c.text(x(rec.started + t) - 4, base + 8, f"{t}s")
-        t += step
-
-
-def _lanes(rec: RunRecord, width: int, count: int, tag: str
-           ) -> tuple[Canvas, Callable[[float], int], Callable[[int], int]]:
-    """A canvas with one grey lane per rank or node, labelled, and the time (x) and lane (y)
-    to pixel maps."""
-    c = Canvas(width, _TOP + count * (_ROW_H + _GAP) + 30)
-    span = max(1e-6, rec.ended - rec.started)
-
-    def x(t: float) -> int:
-        return _LEFT + int((t - rec.started) / span * (width - _LEFT - 10))
-
-    def y(lane: int) -> int:
-        return _TOP + lane * (_ROW_H + _GAP)
-
-    for lane in range(count):
-        c.rect(_LEFT, y(lane), width - 10, y(lane) + _ROW_H, GREY)
-        c.text(6, y(lane) + 6, f"{tag}{lane}")
-    return c, x, y
-
-
-def _draw_nodes(rec: RunRecord, path: Path, nproc: int, width: int) -> Path:
+def _node_lanes(rec: RunRecord, nproc: int) -> Lanes:
     nodes = rec.nodes
-    c, x, y = _lanes(rec, width, nodes, "N")
+    out = Lanes([f"node {n}" for n in range(nodes)])
+    t0 = rec.started
     since: dict[int, float] = {}
-    stops = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed", "timer_expired",
-             "membership_changed", "store_lost")
-    marks = [(e.mono, e.fields.get("node"), e.kind) for e in rec.events]
+    marks = [(e.mono, e.fields.get("node"), e.kind, e) for e in rec.events]
     # A killed agent logs nothing more: its workers stop at the kill.
-    marks += [(i.mono, int(i.target.split(":")[1]), "killed") for i in rec.injections if i.kind == "kill-agent"]
-    for t, n, kind in sorted(marks, key=lambda m: m[0]):
-        if n is None or not 0 <= n < nodes:
+    marks += [(i.mono, int(i.target.split(":")[1]), "killed", None) for i in rec.injections
+              if i.kind == "kill-agent"]
+    for mono, n, kind, _ in sorted(marks, key=lambda m: m[0]):
+        if not isinstance(n, int) or not 0 <= n < nodes:
             continue
+        t = mono - t0
         if kind == "workers_started":
             since.setdefault(n, t)
-        elif (kind in stops or kind == "killed") and n in since:
-            c.rect(x(since.pop(n)), y(n) + 3, x(t), y(n) + _ROW_H - 3, GREEN)
+        elif (kind in NODE_STOPS or kind == "killed") and n in since:
+            out.bars.append((n, since.pop(n), t))
         if kind == "restart":
-            c.rect(x(t) - 1, y(n) - 3, x(t) + 2, y(n) + _ROW_H + 3, BLUE)
-    for n, t in since.items():
-        c.rect(x(t), y(n) + 3, x(rec.ended), y(n) + _ROW_H - 3, GREEN)
-    for inj in rec.injections:  # an outage is a stretch, not a moment: a band along every row
-        if inj.kind.startswith("store-outage"):
-            end = inj.mono + float(inj.kind.split(":", 1)[1])
-            for n in range(nodes):
-                c.rect(x(inj.mono), y(n), x(end), y(n) + 3, ORANGE)
-                c.rect(x(inj.mono), y(n) + _ROW_H - 3, x(end), y(n) + _ROW_H, ORANGE)
+            out.restarts.append((t, n))
+        elif kind == "inplace_recovery":
+            out.inplace.append((n, t, t))
+    for n, s in since.items():
+        out.bars.append((n, s, rec.ended - t0))
     for inj in rec.injections:
         if inj.kind.startswith("store-outage"):
             continue
         kind, _, idx = inj.target.partition(":")
         n = int(idx) if kind == "node" else int(idx) // max(1, nproc) if kind == "rank" else -1
         if 0 <= n < nodes:
-            c.rect(x(inj.mono) - 2, y(n) - 3, x(inj.mono) + 3, y(n) + _ROW_H + 3, RED)
-    _axis(c, rec, x, y(nodes) + 2, _LEFT, width, max(1e-6, rec.ended - rec.started))
-    path.write_bytes(c.png())
+            out.faults.append((n, inj.mono - t0, f"{inj.kind} {inj.target}"))
+    for p in rec.progress:
+        n, step = _int(p.get("node")), _int(p.get("step"))
+        if p.get("progress") == "exit" and n is not None and 0 <= n < nodes and step is not None:
+            out.steps.append((n, float(p.get("monotonic", rec.ended)) - t0, step))
+    return out
+
+
+def _int(v: Any) -> Optional[int]:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def draw(rec: RunRecord, path: Path, world: int, *, title: str = "chaos run",
+         seed: Optional[int] = None) -> Path:
+    """Write the timeline of ``rec`` to ``path`` (PNG). Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    lanes = lanes_of(rec, world)
+    n = len(lanes.labels)
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.55 * n), dpi=110)
+    try:
+        for lane in range(n):
+            ax.barh(lane, lanes.span, left=0, height=0.7, color="#ececec", zorder=0)
+        for lane, s, e in lanes.bars:
+            ax.barh(lane, max(e - s, 1e-3), left=s, height=0.5, color=RUNNING, zorder=1)
+        for s, e in lanes.outages:
+            ax.axvspan(s, e, color=OUTAGE, alpha=0.3, zorder=0.5)
+        for t, only in lanes.restarts:
+            if only is None:
+                ax.axvline(t, color=RESTART, lw=1.6, ls="--", zorder=2)
+            else:
+                ax.plot([t, t], [only - 0.45, only + 0.45], color=RESTART, lw=2, ls="--", zorder=2)
+        for lane, failed, formed in lanes.inplace:  # down from the failure until re-formed
+            ax.plot([failed, formed], [lane, lane], color=INPLACE, lw=5, solid_capstyle="butt", zorder=3)
+            ax.plot([formed], [lane], marker="D", ms=8, color=INPLACE, mec="white", zorder=4)
+        for i, (lane, t, text) in enumerate(lanes.faults):
+            ax.plot([t], [lane], marker="X", ms=11, color=FAULT, mec="white", zorder=5)
+            ax.annotate(text, (t, lane), xytext=(5, 9 + 8 * (i % 2)), textcoords="offset points",
+                        fontsize=8, color=FAULT, zorder=6)
+        for lane, t, step in lanes.steps:
+            ax.annotate(f"step {step}", (t, lane), xytext=(3, -13), textcoords="offset points",
+                        fontsize=7, color="#333333", zorder=6)
+        ax.set_yticks(range(n), lanes.labels)
+        ax.set_ylim(n - 0.4, -0.8)  # first lane on top, room for the labels above it
+        first = min((s for _, s, _ in lanes.bars), default=0.0)
+        left = max(0.0, first - 0.08 * (lanes.span - first))  # the launch's start-up is dull
+        ax.set_xlim(left, lanes.span + 0.02 * (lanes.span - left))
+        ax.set_xlabel("seconds since the launch")
+        ax.grid(axis="x", color="#dddddd", lw=0.6)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        ax.set_title(_title(rec, title, seed), fontsize=11, loc="left")
+        handles = [Patch(color=RUNNING, label="worker running"),
+                   Line2D([], [], marker="X", ls="", color=FAULT, ms=9, label="fault (kind, target)")]
+        if lanes.restarts or not lanes.inplace:
+            handles.append(Line2D([], [], color=RESTART, ls="--", label="restart (all workers)"))
+        if lanes.inplace:
+            handles.append(Line2D([], [], marker="D", color=INPLACE, lw=4, ms=7,
+                                  label="in-place recovery (down until re-formed)"))
+        if lanes.outages:
+            handles.append(Patch(color=OUTAGE, alpha=0.3, label="store outage"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14 - 0.25 / n),
+                  ncol=len(handles), frameon=False, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
     return path
+
+
+def _title(rec: RunRecord, name: str, seed: Optional[int]) -> str:
+    where = f"{rec.nodes} nodes" if rec.nodes > 1 else "1 node"
+    parts = [f"seed {seed}" if seed is not None else "no seed (a given plan)",
+             f"{len(rec.injections)} fault(s)", where,
+             f"exit {rec.exit_code}" if rec.exit_code is not None else "stopped"]
+    return f"elastictk-chaos: {name}\n" + ", ".join(parts)
+
+
+def write_timeline(rec: RunRecord, path: Path, world: int, *, title: str = "chaos run",
+                   seed: Optional[int] = None) -> str:
+    """Draw the timeline if matplotlib is there; the one line to tell the user either way."""
+    try:
+        draw(rec, path, world, title=title, seed=seed)
+    except ImportError as e:
+        return f"timeline skipped: {e.name or 'matplotlib'} is not installed ({INSTALL_HINT})"
+    return f"timeline in {path}"
+
+
+def run_name(command: Sequence[str], world: int) -> str:
+    """How the title names a run: its script (or program) and its world size."""
+    script = next((c for c in command if c.endswith(".py")), command[0] if command else "job")
+    return f"{Path(script).name}, {world} rank(s)"
+
+
+def record_from_dir(report_dir: Path) -> tuple[RunRecord, int, Optional[int]]:
+    """A recorded run back from its report directory (``chaos-report.json``, the event log,
+    the workers' fault log): the record, the world size, the plan's seed."""
+    data = json.loads((report_dir / "chaos-report.json").read_text())
+    single = report_dir / "chaos-events.jsonl"
+    if single.exists():
+        events = read_events(single)
+    else:  # several nodes: an event log per agent (incarnation), tagged with its node
+        per_node = []
+        for log in sorted(report_dir.glob("chaos-node*-events.jsonl")):
+            m = re.match(r"chaos-node(\d+)", log.name)
+            if m:
+                per_node.append((int(m.group(1)), read_events(log)))
+        events = tag_events(per_node)
+    injections = [Injection(**{k: v for k, v in d.items() if k in Injection.__dataclass_fields__})
+                  for d in data.get("injections", [])]
+    progress = []
+    faults_log = report_dir / "chaos-faults.jsonl"
+    if faults_log.exists():
+        for line in faults_log.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "progress" in d:
+                progress.append(d)
+    totals = data.get("totals", {})
+    # The launch and the end are not recorded as such: the last thing logged is about the end
+    # (job_finished, a worker's exit), and the run took wall_s from its launch.
+    monos = [e.mono for e in events] + [i.mono for i in injections] + \
+        [float(p["monotonic"]) for p in progress if isinstance(p.get("monotonic"), (int, float))]
+    ended = max(monos) if monos else 0.0
+    started = min(monos + [ended - float(totals.get("wall_s") or 0.0)]) if monos else 0.0
+    by_fault = {i.fault: i.mono for i in injections}
+    for row in data.get("faults", []):  # exact: a fault's injection time is counted from the launch
+        if isinstance(row.get("injected_at"), (int, float)) and row.get("index") in by_fault:
+            started = by_fault[row["index"]] - float(row["injected_at"])
+            ended = max(ended, started + float(totals.get("wall_s") or 0.0))
+            break
+    rec = RunRecord(argv=list(data.get("command", [])), started=started, ended=ended,
+                    exit_code=totals.get("exit_code"), injections=injections, progress=progress,
+                    events=events, nodes=int(totals.get("nodes") or 1))
+    plan = data.get("plan") or {}
+    world = int((plan.get("knobs") or {}).get("world_size") or 0)
+    if not world:
+        world = max([len(e.fields.get("pids") or {}) for e in events if e.kind == "workers_started"]
+                    + [1]) * rec.nodes
+    seed = plan.get("seed")
+    return rec, world, int(seed) if isinstance(seed, int) else None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or not (Path(args[0]) / "chaos-report.json").is_file():
+        print("usage: python -m elastictk.chaos.timeline REPORT_DIR (a directory elastictk-chaos "
+              "wrote, with chaos-report.json)", file=sys.stderr)
+        return 2
+    where = Path(args[0])
+    try:
+        rec, world, seed = record_from_dir(where)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        print(f"python -m elastictk.chaos.timeline: {where} is not a readable report directory: {e}",
+              file=sys.stderr)
+        return 2
+    print(write_timeline(rec, where / "chaos-timeline.png", world, title=run_name(rec.argv, world), seed=seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

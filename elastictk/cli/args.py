@@ -21,7 +21,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from .config import LaunchConfig, check_system
 from .resolve import PROG, config_from_namespace
-from .values import RECOVERY_MODES, START_METHODS, EnvText, UsageError
+from .values import RECOVERY_MODES, START_METHODS, ArgvError, EnvText, UsageError
 
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`UsageError` instead of printing usage and exiting, so callers decide."""
@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if message.startswith("the following arguments are required"):
             message = f"no training script given: {PROG} [flags] SCRIPT [ARGS...]"
-        raise UsageError(f"{message} (see {PROG} --help)")
+        raise ArgvError(f"{message} (see {PROG} --help)")
 
 
 class _Flag(argparse.Action):
@@ -57,7 +57,8 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "rendezvous settings k=v,...: join_timeout, last_call_timeout, close_timeout, timeout, "
      "read_timeout, is_host, heartbeat_interval, heartbeat_timeout"),
     (("--standalone",), True,
-     "single node: c10d store on localhost with a free port and a random id; overrides "
+     "single node: a c10d store of its own on a free port (records sealed with a random "
+     "per-run token: torch's store listens on every interface) and a random id; overrides "
      "--rdzv-backend/--rdzv-endpoint/--rdzv-id"),
     (("--max-restarts", "--max_restarts"), False,
      "worker group restarts before failing (default 0)"),
@@ -96,20 +97,54 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "LOCAL_RANK=0 in every worker, each seeing only its own GPU"),
 ]
 # torchrun flags without an env fallback (torch adds them with plain actions).
-_TORCH_NO_ENV = (("--logs-specs", "--logs_specs"), ("--numa-binding", "--numa_binding"))
+_TORCH_NO_ENV = (("--numa-binding", "--numa_binding"),)
 
 _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--recovery",), False,
      f"on a worker failure: {' or '.join(RECOVERY_MODES)} (default restart-all)"),
+    (("--standby",), False,
+     "in-place recovery: keep one warmed standby process per node that a replaced worker "
+     "becomes, 1 or 0 (default 0)"),
     (("--collective-timeout",), False, "seconds before a stuck collective counts as a hang"),
+    (("--progress-timeout",), False,
+     "once every rank has stepped, seconds without a step of some rank before the group counts "
+     "as hung: stacks dumped, the culprit killed, recovery as for a failure (default 300; 0 off)"),
+    (("--startup-timeout",), False,
+     "seconds a rank may take to complete its first step before it counts as hung "
+     "(default 0: off)"),
     (("--metrics-port",), False, "serve Prometheus metrics on this port (0: any free port)"),
     (("--metrics-host",), False, "address for the metrics server (default 127.0.0.1)"),
     (("--restart-intensity",), False, "R/T: give up after more than R restarts in T seconds"),
+    (("--health-check",), False,
+     "command (sh -c) run before this node joins each round and every --health-interval in "
+     "it; a non-zero exit keeps the node out (or takes it out), up to the join timeout "
+     "(default none)"),
+    (("--health-interval",), False, "seconds between health checks (default 60)"),
+    (("--straggler-action",), False,
+     "off, report (name a rank the others wait for: event, gauge, log line) or exclude (not "
+     "available yet) (default off)"),
+    (("--straggler-threshold",), False,
+     "times slower than the other ranks' median own time per step that counts (default 1.5)"),
+    (("--straggler-windows",), False,
+     "windows in a row past the threshold before a rank is named (default 3)"),
+    (("--straggler-interval",), False, "seconds per straggler window (default 5)"),
+    (("--max-no-progress-restarts",), False,
+     "K: end the job after K restarts in a row after which no rank completed a step (a crash "
+     "loop), whatever --max-restarts has left (default 0: off)"),
     (("--restart-backoff",), False, "seconds to wait before restarting workers (default 0)"),
     (("--grace-period",), False, "seconds from SIGTERM to SIGKILL (default 30)"),
     (("--rdzv-token",), False,
      "shared secret nodes must present to join (prefer env ELASTICTK_RDZV_TOKEN: argv is public)"),
     (("--event-log",), False, "append JSON-lines events to this file"),
+    (("--snapshot",), False,
+     "snapshot tiers of elastictk.State commits: local (shared memory owned by this agent), "
+     "disk, or local,disk (default none)"),
+    (("--snapshot-dir",), False,
+     "directory of the disk tier, seen by every node (alone: --snapshot disk)"),
+    (("--snapshot-every",), False, "write the disk tier every N commits (default 10)"),
+    (("--snapshot-memory",), False,
+     "bytes of shared memory the local tier may use on this node, all local ranks, e.g. 4G "
+     "(default a quarter of the host's memory; used only as written)"),
 ]
 
 
@@ -135,6 +170,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                 parser.add_argument(*flags, action=_Flag, dest=dest, default=default, help=help_text)
             else:
                 parser.add_argument(*flags, dest=dest, default=default, help=help_text)
+    parser.add_argument("--logs-specs", "--logs_specs", dest="logs_specs", default=None,
+                        help="a LogsSpecs class by its torchrun.logs_specs entry-point name: "
+                             "it decides where the workers' logs go")
     for flags in _TORCH_NO_ENV:  # parsed only to be refused by name, not with "unrecognized"
         parser.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS)
     parser.add_argument("training_script", help="the script (or module, or program) to run")

@@ -14,8 +14,14 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
+from ..snapshot.settings import MIN_REGION
+from ..snapshot.settings import TIERS as SNAPSHOT_TIERS
 from ..store.endpoint import Endpoint
-from .values import BACKENDS, RECOVERY_MODES, START_METHODS, Std, UsageError
+from .values import (
+    BACKENDS, DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
+    START_METHODS, Std, UsageError,
+    run_id_problem,
+)
 
 DEFAULT_C10D_PORT = 29400  # torch's c10d rendezvous default
 DEFAULT_ETCD_PORT = 2379
@@ -23,6 +29,15 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_GRACE_PERIOD = 30.0  # torch's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: ``--nproc-per-node`` may be at most the larger of these: each worker is a process, and a
+#: typo (100000) would otherwise fork until the host gives out.
+MIN_NPROC_BOUND = 1024
+NPROC_PER_CPU = 4
+
+
+def max_nproc_per_node() -> int:
+    """The most workers one node may start on this host."""
+    return max(MIN_NPROC_BOUND, NPROC_PER_CPU * (os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,7 @@ class LaunchConfig:
     training_script: str
     training_script_args: list[str] = field(default_factory=list)
     rdzv_path: str | None = None
-    rdzv_conf: dict[str, float | bool] = field(default_factory=dict)
+    rdzv_conf: dict[str, float | bool | str] = field(default_factory=dict)  # str: etcd TLS paths
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -73,18 +88,35 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     grace_period: float = DEFAULT_GRACE_PERIOD
     log_line_prefix_template: str | None = None
+    # --logs-specs NAME: the torch LogsSpecs made from the torchrun.logs_specs entry point
+    logs_specs: object | None = field(default=None, compare=False)
     # --- elastictk's own flags --------------------------------------------------------------
     recovery: str = "restart-all"
+    standby: bool = False  # --standby: in place, a replaced worker becomes a warmed standby
     collective_timeout: float | None = None
+    progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT  # None: off (--progress-timeout 0)
+    startup_timeout: float | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     restart_intensity: tuple[int, float] | None = None
     restart_backoff: float = 0.0
+    max_no_progress_restarts: int = 0  # 0: off (docs/launcher.md "Crash loops")
+    health_check: str | None = None  # --health-check (docs/launcher.md "Health checks")
+    health_interval: float = 60.0
+    straggler_action: str = "off"  # --straggler-action off|report (docs/launcher.md "Stragglers")
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    straggler_interval: float = 5.0
     rdzv_token: str | None = field(default=None, repr=False)
     # Every member of an etcd cluster (``--rdzv-endpoint a:2379,b:2379,c:2379``), in order;
     # ``rdzv_endpoint`` is the first. Empty for the other backends.
     rdzv_endpoints: tuple[Endpoint, ...] = ()
     event_log: str | None = None
+    # Snapshot tiers of elastictk.State (docs/snapshots.md): "local" and/or "disk".
+    snapshot: tuple[str, ...] = ()
+    snapshot_dir: str | None = None
+    snapshot_every: int = 10
+    snapshot_memory: int | None = None  # None: a quarter of this host's memory
     warnings: tuple[str, ...] = ()
 
     @property
@@ -113,7 +145,11 @@ class LaunchConfig:
 
 def validate(config: LaunchConfig) -> list[str]:
     """Every problem with ``config`` as one line each (empty when it is sound); pure."""
-    c = config
+    return _rendezvous_problems(config) + _process_problems(config)
+
+
+def _rendezvous_problems(c: LaunchConfig) -> list[str]:
+    """Node counts, workers per node, backend and endpoint, job id, node rank."""
     out: list[str] = []
     if c.min_nodes < 1 or c.max_nodes < 1:
         out.append(f"nnodes {c.min_nodes}:{c.max_nodes}: node counts must be at least 1")
@@ -137,6 +173,8 @@ def validate(config: LaunchConfig) -> list[str]:
         )
     if not c.run_id or "/" in c.run_id:
         out.append(f"rdzv id {c.run_id!r}: must be non-empty and contain no '/'")
+    elif (problem := run_id_problem(c.run_id)) is not None:
+        out.append(f"rdzv id {c.run_id!r}: {problem}")
     if c.rdzv_backend == "static" and not 0 <= c.node_rank < c.max_nodes:
         out.append(
             f"node rank {c.node_rank}: static rendezvous with {c.max_nodes} node(s) needs "
@@ -144,8 +182,16 @@ def validate(config: LaunchConfig) -> list[str]:
         )
     if c.node_rank < 0:
         out.append(f"node rank {c.node_rank}: must be at least 0")
+    return out
+
+
+def _process_problems(c: LaunchConfig) -> list[str]:
+    """Restarts, timings, start method, recovery, role, entrypoint, ports."""
+    out: list[str] = []
     if c.max_restarts < 0:
         out.append(f"max restarts {c.max_restarts}: must be at least 0")
+    if c.max_no_progress_restarts < 0:
+        out.append(f"max no-progress restarts {c.max_no_progress_restarts}: must be at least 0 (0: off)")
     if not c.monitor_interval > 0:
         out.append(f"monitor interval {c.monitor_interval}: must be more than 0 seconds")
     if c.start_method not in START_METHODS:
@@ -162,8 +208,18 @@ def validate(config: LaunchConfig) -> list[str]:
         out.append(f"grace period {c.grace_period}: must be 0 or more seconds")
     if c.collective_timeout is not None and not c.collective_timeout > 0:
         out.append(f"collective timeout {c.collective_timeout}: must be more than 0 seconds")
+    elif c.collective_timeout is not None and c.collective_timeout > MAX_COLLECTIVE_TIMEOUT:
+        out.append(f"collective timeout {c.collective_timeout:g}: must be at most "
+                   f"{MAX_COLLECTIVE_TIMEOUT:g} seconds (1 day)")
+    for name, value in (("progress", c.progress_timeout), ("startup", c.startup_timeout)):
+        if value is not None and not 0 < value <= MAX_COLLECTIVE_TIMEOUT:
+            out.append(f"{name} timeout {value}: must be more than 0 and at most "
+                       f"{MAX_COLLECTIVE_TIMEOUT:g} seconds (None turns it off)")
     if c.restart_backoff < 0:
         out.append(f"restart backoff {c.restart_backoff}: must be 0 or more seconds")
+    elif c.restart_backoff > MAX_RESTART_BACKOFF:
+        out.append(f"restart backoff {c.restart_backoff:g}: must be at most "
+                   f"{MAX_RESTART_BACKOFF:g} seconds (the backoff's cap)")
     if c.restart_intensity is not None and (
         c.restart_intensity[0] < 0 or not c.restart_intensity[1] > 0
     ):
@@ -172,6 +228,20 @@ def validate(config: LaunchConfig) -> list[str]:
         port = getattr(c, name)
         if port is not None and not 0 <= port <= 65535:
             out.append(f"{name} {port}: out of range 0-65535")
+    return out + _snapshot_problems(c)
+
+
+def _snapshot_problems(c: LaunchConfig) -> list[str]:
+    out: list[str] = []
+    bad = [t for t in c.snapshot if t not in SNAPSHOT_TIERS]
+    if bad:
+        out.append(f"snapshot tier {bad[0]!r}: use local, disk or local,disk")
+    if "disk" in c.snapshot and not c.snapshot_dir:
+        out.append("--snapshot disk needs --snapshot-dir DIR (a directory every node sees)")
+    if c.snapshot_every < 1:
+        out.append(f"snapshot every {c.snapshot_every}: at least 1 commit")
+    if c.snapshot_memory is not None and c.snapshot_memory < MIN_REGION:
+        out.append(f"snapshot memory {c.snapshot_memory}: at least {MIN_REGION} bytes")
     return out
 
 
@@ -182,6 +252,26 @@ def check_system(config: LaunchConfig) -> None:
     instead of after a rendezvous round with N restarts of a worker that cannot start.
     """
     c = config
+    if c.nproc_per_node > max_nproc_per_node():
+        raise UsageError(
+            f"--nproc-per-node {c.nproc_per_node}: at most {max_nproc_per_node()} workers per "
+            "node on this host: each worker is a process; use fewer workers per node"
+        )
+    _check_script(c)
+    if c.log_dir is not None and c.logs_specs is None:  # a --logs-specs class judges its own
+        _check_writable_dir(c.log_dir, "--log-dir")
+    if c.rdzv_path is not None:
+        parent = os.path.dirname(os.path.abspath(c.rdzv_path))
+        if not os.path.isdir(parent):
+            raise UsageError(
+                f"--rdzv-endpoint {c.rdzv_path}: directory {parent} does not exist; the file "
+                "backend needs a path in an existing (shared) directory"
+            )
+    _check_ports(c)
+
+
+def _check_script(c: LaunchConfig) -> None:
+    """The training script is a file, or the ``--no-python`` program is executable/on PATH."""
     script = c.training_script
     if c.no_python and not c.run_path:
         if os.sep in script:
@@ -199,15 +289,28 @@ def check_system(config: LaunchConfig) -> None:
             f"training script {script!r} not found (looked in {os.getcwd()}); pass an existing "
             "file, or -m for a module, or --no-python for a program"
         )
-    if c.log_dir is not None and os.path.exists(c.log_dir) and not os.path.isdir(c.log_dir):
-        raise UsageError(f"--log-dir {c.log_dir}: is a file, not a directory; pick a directory")
-    if c.rdzv_path is not None:
-        parent = os.path.dirname(os.path.abspath(c.rdzv_path))
-        if not os.path.isdir(parent):
-            raise UsageError(
-                f"--rdzv-endpoint {c.rdzv_path}: directory {parent} does not exist; the file "
-                "backend needs a path in an existing (shared) directory"
-            )
+
+
+def _check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is a directory this process can create files in, or can be created: its
+    nearest existing ancestor is a directory it may write to. Catches a file in the way (which
+    fails for root too) and a read-only or foreign directory, before any worker starts."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a directory; pick a directory")
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file, so no directory can be made "
+                         "under it; pick a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == os.path.abspath(path) else f" {probe}, where it would be made,"
+        raise UsageError(f"{flag} {path}: the directory{where} is not writable by this user; "
+                         "pick a writable directory")
+
+
+def _check_ports(c: LaunchConfig) -> None:
+    """The store port this node must host, and the metrics port, are free."""
     port, ep = c.store_port_to_bind(), c.rdzv_endpoint
     if port is not None and ep is not None and port_taken("", port, ep.host):
         if c.rdzv_backend == "static":

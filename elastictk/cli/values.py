@@ -7,10 +7,11 @@ hypothesis can drive these directly.
 """
 from __future__ import annotations
 
-import enum
 import math
 import re
 import signal
+
+from ..supervisor.spec import Std  # one definition: the launcher parses what the supervisor takes
 
 #: rendezvous backends elastictk-run knows; ``etcd-v2`` is torchrun's spelling of the same thing.
 BACKENDS = ("c10d", "file", "etcd", "static")
@@ -35,6 +36,17 @@ RDZV_CONF_KEYS: dict[str, type] = {
 #: torch's keep-alive interval when only ``keep_alive_max_attempt`` is given.
 TORCH_KEEP_ALIVE_INTERVAL = 5.0
 
+#: the longest ``--collective-timeout``: a collective stuck for longer than a day is a hang.
+MAX_COLLECTIVE_TIMEOUT = 86400.0
+#: ``--progress-timeout`` unless given: a frozen DDP rank ends in a recovery within minutes
+#: (the backend's own timeout is 30), yet a long evaluation or checkpoint save between
+#: optimizer steps rarely lasts this long (README "Hangs": why, and how to raise it).
+DEFAULT_PROGRESS_TIMEOUT = 300.0
+#: the longest ``--restart-backoff``: the agent's backoff grows from it up to 60 s, its cap.
+MAX_RESTART_BACKOFF = 60.0
+#: the longest job id, in UTF-8 bytes: it names ``<log_dir>/<id>[.N]``, one path component.
+MAX_RUN_ID_BYTES = 128
+
 _TRUE = ("1", "true", "t", "yes", "y")
 _FALSE = ("0", "false", "f", "no", "n")
 
@@ -43,13 +55,9 @@ class UsageError(ValueError):
     """Bad command-line input; ``str()`` is the one line printed after ``elastictk-run: error:``."""
 
 
-class Std(enum.IntFlag):
-    """Which of a worker's streams go to a log file (torchrun's ``-r``/``-t`` numbers)."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
+class ArgvError(UsageError):
+    """Command-line syntax that argparse itself refuses (an unknown flag, a missing value):
+    where torch's ``main`` exits 2 through argparse instead of raising ``ValueError``."""
 
 
 class EnvText(str):
@@ -67,6 +75,8 @@ def label(flag: str, value: object) -> str:
     """How an error line names an input: ``--nnodes 3:2`` or ``PET_NNODES='3:2'``."""
     if isinstance(value, EnvText):
         return f"{value.env}={str(value)!r}"
+    if isinstance(value, str) and not value.isprintable():  # a newline would split the line
+        return f"{flag} {value!r}"
     return f"{flag} {value}" if value not in ("", None) else f"{flag} ''"
 
 
@@ -80,7 +90,10 @@ def parse_int(text: str, where: str, *, minimum: int | None = None) -> int:
     return value
 
 
-def parse_seconds(text: str, where: str, *, allow_zero: bool = False) -> float:
+def parse_seconds(text: str, where: str, *, allow_zero: bool = False,
+                  maximum: tuple[float, str] | None = None) -> float:
+    """A finite number of seconds, more than 0 (or 0 too with ``allow_zero``); ``maximum`` is
+    ``(bound, why and what to pass instead)``, for the settings a huge value breaks."""
     try:
         value = float(text.strip())
     except ValueError:
@@ -88,7 +101,27 @@ def parse_seconds(text: str, where: str, *, allow_zero: bool = False) -> float:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = "0 or more" if allow_zero else "more than 0"
         raise UsageError(f"{where}: seconds must be a finite number {bound}")
+    if maximum is not None and value > maximum[0]:
+        raise UsageError(f"{where}: seconds must be at most {maximum[0]:g} {maximum[1]}")
     return value
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot be a job id, or None. The id is a directory name under
+    ``--log-dir`` (``<log_dir>/<id>/attempt_N``) and the prefix of the job's store keys
+    (``rdzv/<id>/...``), so it must be one plain path component."""
+    fix = "use letters, digits, '-' and '_', e.g. job-1"
+    if not run_id or "/" in run_id:
+        return "the job id must be non-empty and contain no '/'"
+    if run_id in (".", ".."):
+        return f"{run_id!r} cannot be a job id: it becomes a directory name under --log-dir; {fix}"
+    if not run_id.isprintable():
+        return f"the job id holds a control character; {fix}"
+    size = len(run_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_RUN_ID_BYTES:
+        return (f"the job id is {size} bytes long, at most {MAX_RUN_ID_BYTES} fit in a log "
+                f"directory name; give a shorter id")
+    return None
 
 
 def parse_bool(text: str, where: str) -> bool:
@@ -127,18 +160,19 @@ def parse_nnodes(text: str, where: str = "--nnodes") -> tuple[int, int]:
     return lo, hi
 
 
+NPROC_WORDS = "cpu, gpu, xpu, auto or an accelerator backend's name"
+
+
 def parse_nproc(text: str, where: str = "--nproc-per-node") -> int | str:
-    """A positive int, or one of ``cpu``/``gpu``/``auto`` (resolved later, with the hardware)."""
+    """A positive int, or a device word (``cpu``, ``gpu``, ``xpu``, ``auto``, or the name of a
+    PrivateUse1 backend), resolved later against the hardware, as torchrun resolves it."""
     word = text.strip().lower()
-    if word in ("cpu", "gpu", "auto"):
+    if re.fullmatch(r"[a-z][a-z0-9_]*", word):
         return word
     try:
         n = int(word)
     except ValueError:
-        raise UsageError(
-            f"{where}: use a number of workers, or cpu, gpu or auto "
-            "(elastictk-run does not support other device names)"
-        ) from None
+        raise UsageError(f"{where}: use a number of workers, or {NPROC_WORDS}") from None
     if n < 1:
         raise UsageError(f"{where}: need at least 1 worker per node")
     return n
@@ -159,6 +193,34 @@ def parse_choice(text: str, where: str, choices: tuple[str, ...]) -> str:
     return word
 
 
+def unquote_conf(text: str) -> str:
+    """``text`` without one pair of matching quotes around all of it: a value passed with its
+    quotes (``"--rdzv-conf='join_timeout=5,last_call_timeout=1'"`` in a Python argv list or a
+    YAML launcher, where no shell removes them). torch keeps them, and then reads a key named
+    ``'join_timeout`` and ignores it silently."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        return stripped[1:-1]
+    return text
+
+
+def split_rdzv_conf(text: str, where: str = "--rdzv-conf") -> list[tuple[str, str]]:
+    """``k=v,k=v`` into (key, value) pairs exactly as torch's ``_parse_rendezvous_config``
+    splits it (whitespace around keys and values dropped, the value after the first ``=``), once
+    outer quotes are gone (:func:`unquote_conf`). Refused where torch refuses: an empty key or
+    value, with elastictk's one line."""
+    raw = unquote_conf(text).strip()
+    if not raw:
+        return []
+    pairs = []
+    for item in raw.split(","):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not key or not eq or not value:
+            raise UsageError(f"{where}: {item.strip()!r} is not key=value; write k1=v1,k2=v2")
+        pairs.append((key, value))
+    return pairs
+
+
 def parse_rdzv_conf(text: str, where: str = "--rdzv-conf") -> dict[str, float | bool]:
     """``k=v,k=v`` into typed values; unknown keys are refused with the list of known ones.
 
@@ -167,14 +229,8 @@ def parse_rdzv_conf(text: str, where: str = "--rdzv-conf") -> dict[str, float | 
     after N missed beats), so torchrun command lines keep their meaning.
     """
     conf: dict[str, float | bool] = {}
-    raw = text.strip()
-    if not raw:
-        return conf
     seen: dict[str, str] = {}
-    for item in raw.split(","):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not key or not eq or not value:
-            raise UsageError(f"{where}: {item.strip()!r} is not key=value; write k1=v1,k2=v2")
+    for key, value in split_rdzv_conf(text, where):
         kind = RDZV_CONF_KEYS.get(key)
         if kind is None:
             raise UsageError(

@@ -1,59 +1,58 @@
-"""The automatic in-worker injector, and the collective hang.
+"""The automatic in-worker step count: step faults for scripts that never call ``checkpoint``.
 
-``install_auto()`` wraps ``torch.distributed.all_reduce`` so that every ``calls_per_step``
-calls count as one step: the plan's step faults fire as the worker enters that all_reduce, with
-no change to the script. A launcher turns it on with ``ELASTICTK_FAULT_AUTO`` (see ``env``).
-Only workers with a fault to inject in this attempt are wrapped; the others run untouched.
+Two ways of counting, chosen by ``ELASTICTK_FAULT_AUTO`` (see ``env``):
 
-Limits, stated plainly:
+- ``optimizer`` (what ``elastictk-chaos`` sets): every ``optimizer.step()`` of the worker is a
+  step, seen through torch's global optimizer step hook
+  (``torch.optim.optimizer.register_optimizer_step_post_hook``). That covers any training loop,
+  DDP included (its gradient all_reduces run in C++, but the optimizer step is Python). The
+  hook is registered the moment ``torch.optim`` finishes loading (an import hook, so a worker
+  that never imports torch never does); the steps of one optimizer count (the first one that
+  steps in the process; another takes over once it is freed), so a loop with two optimizers is
+  not counted twice.
+- ``N`` (an integer >= 1): every ``N`` calls of ``torch.distributed.all_reduce`` from Python
+  start a step (for loops without an optimizer; DDP's buckets are not seen).
 
-- The step is this process's count of all_reduce calls in this attempt, not the script's
-  training step: it restarts at 0 in every attempt, and a job resumed from a checkpoint counts
-  from 0 again. Scripts that know their step call ``checkpoint(step)``, which then takes over
-  (the count stands aside from the first call on).
-- Only Python-level calls through ``torch.distributed.all_reduce`` (or
-  ``distributed_c10d.all_reduce``) count; names bound before the wrap (``from
-  torch.distributed import all_reduce`` executed before ``install_auto``) are missed, which is
-  why the launcher installs it at interpreter start, before the script. DDP's gradient buckets
-  reduce from C++ and are not seen: pass ``calls_per_step`` for the script's own all_reduces.
+The count is this process's: after a step number ``n`` the faults planned at step ``<= n`` fire.
+It restarts at 0 in every process, so a job resumed from a checkpoint counts from 0 again (the
+planned step is then "steps into this attempt"). Scripts that know their step take over:
+``elastictk.faults.checkpoint(step)`` and ``run_elastic``'s own step report outrank this count
+(see ``inworker``).
 
-The hang inside a collective (``hang-in-collective``). A real hang in a collective is one rank
-that never arrives while its peers sit inside the all_reduce, waiting for it. That is what is
-produced: the faulty worker enters the wrapped ``all_reduce`` and blocks there, before its
-contribution is sent, so the peers' real all_reduce (gloo/NCCL) blocks waiting for it; stack
-dumps of both show ``all_reduce``. The blocked worker holds a watchdog timer named
-``all_reduce`` when the collective timeout is on, so the agent's timer reaper catches it like
-a real hung collective. With no watchdog at all it gives up after ``ELASTICTK_FAULT_HANG_LIMIT``
-seconds (exit code :data:`HANG_UNCAUGHT_EXIT` and one line saying so), so nothing hangs forever.
+Activation: a launcher names this module in ``ELASTICTK_WORKER_HOOKS``; every worker calls
+:func:`activate_from_env` at start (forked workers in ``elastictk/supervisor/child.py``,
+subprocess workers from the ``sitecustomize.py`` ``env.worker_env`` writes), and ``run_elastic`` calls
+:func:`on_loop_step` for each step it runs.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
+import weakref
 from types import ModuleType
-from typing import Any, Callable, Optional, Union
+from typing import Any, Mapping, Optional
 
 from . import inworker
-from .env import hang_limit
+from .collective import ensure_wrapped
+from .env import AUTO_OPTIMIZER, ENV_AUTO, ENV_PLAN
 from .plan import FaultPlan
+from .._onimport import OnImport
 
-C10D = "torch.distributed.distributed_c10d"
-OP = "all_reduce"
-HANG_UNCAUGHT_EXIT = 124
-_INNER = "__elastictk_fault_inner__"
+OPTIM = "torch.optim.optimizer"
 
 _lock = threading.Lock()
-_calls_per_step = 0  # 0: not counting (only the hang needs the wrapper)
+_calls_per_step = 0  # 0: not counting all_reduce calls
 _calls = 0
-_hook: Optional["_PatchOnImport"] = None
+_optimizer_steps = 0
+_counting_optimizer = False
+_owner: Optional[weakref.ref[Any]] = None  # the optimizer whose steps count
+_handle: Any = None
+_optim_hook: Optional[OnImport] = None
 
 
-def install_auto(plan: Union[FaultPlan, str, os.PathLike[str], None] = None, *,
+def install_auto(plan: FaultPlan | str | os.PathLike[str] | None = None, *,
                  calls_per_step: int = 1, rank: Optional[int] = None, node: Optional[int] = None,
                  attempt: Optional[int] = None) -> bool:
     """Count all_reduce calls as steps and fire this worker's step faults from them.
@@ -66,155 +65,134 @@ def install_auto(plan: Union[FaultPlan, str, os.PathLike[str], None] = None, *,
     if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or \
             calls_per_step < 1:
         raise ValueError(f"calls_per_step {calls_per_step!r} must be an integer >= 1")
-    if plan is None:
-        armed = inworker.load_from_env()
-    else:
-        if not isinstance(plan, FaultPlan):
-            plan = FaultPlan.load(plan)
-        env_rank = int(os.environ.get("RANK", "0") or 0)
-        env_node = os.environ.get("GROUP_RANK")
-        armed = inworker.arm(
-            plan, rank=env_rank if rank is None else rank,
-            node=(int(env_node) if env_node else None) if node is None else node,
-            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-            if attempt is None else attempt)
-    if not armed:
+    if not _arm(plan, rank, node, attempt):
         return False
     with _lock:
         _calls_per_step, _calls = calls_per_step, 0
-    ensure_wrapped()
+    ensure_wrapped(on_step=_count)
     return True
 
 
-def ensure_wrapped() -> None:
-    """Wrap ``all_reduce`` now if torch.distributed is loaded, else right after it loads."""
-    global _hook
+def install_optimizer(plan: FaultPlan | str | os.PathLike[str] | None = None, *,
+                      rank: Optional[int] = None, node: Optional[int] = None,
+                      attempt: Optional[int] = None) -> bool:
+    """Count ``optimizer.step()`` calls as steps (see the module's docstring). Returns True if
+    this worker has faults armed; the hook is registered either way, so an in-place job whose
+    later generation arms faults here (``on_loop_step``) is counted from the start."""
+    global _counting_optimizer, _optimizer_steps, _optim_hook
+    armed = _arm(plan, rank, node, attempt)
     with _lock:
-        module = sys.modules.get(C10D)
-        if module is not None and hasattr(module, OP):
-            _patch(module)
-        elif _hook is None:
-            _hook = _PatchOnImport()
-            sys.meta_path.insert(0, _hook)
+        _counting_optimizer, _optimizer_steps = True, 0
+        module = sys.modules.get(OPTIM)
+        if module is not None and hasattr(module, "register_optimizer_step_post_hook"):
+            _register(module)
+        elif _optim_hook is None:
+            _optim_hook = OnImport(OPTIM, _registered_on_import, _lock)
+            sys.meta_path.insert(0, _optim_hook)
+    return bool(armed)
 
 
-def uninstall() -> None:
-    """Put the original ``all_reduce`` back and stop counting (tests, mostly)."""
-    global _hook, _calls_per_step
-    with _lock:
-        _calls_per_step = 0
-        if _hook is not None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(_hook)
-            _hook = None
-        module = sys.modules.get(C10D)
-        if module is None:
-            return
-        for ns in _namespaces(module):
-            fn = getattr(ns, OP, None)
-            inner = getattr(fn, _INNER, None)
-            if inner is not None:
-                setattr(ns, OP, inner)
+def _arm(plan: FaultPlan | str | os.PathLike[str] | None, rank: Optional[int],
+         node: Optional[int], attempt: Optional[int]) -> int:
+    if plan is None:
+        return inworker.load_from_env()
+    if not isinstance(plan, FaultPlan):
+        plan = FaultPlan.load(plan)
+    env_rank = int(os.environ.get("RANK", "0") or 0)
+    env_node = os.environ.get("GROUP_RANK")
+    return inworker.arm(
+        plan, rank=env_rank if rank is None else rank,
+        node=(int(env_node) if env_node else None) if node is None else node,
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if attempt is None else attempt)
 
 
-def _namespaces(c10d: ModuleType) -> list[ModuleType]:
-    dist = sys.modules.get("torch.distributed")
-    return [c10d] + ([dist] if dist is not None and dist is not c10d else [])
+def _registered_on_import(module: ModuleType) -> None:
+    global _optim_hook
+    _optim_hook = None
+    if _counting_optimizer:
+        _register(module)
 
 
-def _patch(c10d: ModuleType) -> None:
-    current = getattr(c10d, OP)
-    if getattr(current, _INNER, None) is not None:
-        return  # already ours
-    wrapped = _wrap(current)
-    for ns in _namespaces(c10d):
-        if getattr(ns, OP, None) is current:
-            setattr(ns, OP, wrapped)
+def _register(module: ModuleType) -> None:
+    global _handle
+    if _handle is None:
+        _handle = module.register_optimizer_step_post_hook(_optimizer_stepped)
 
 
-def _wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def all_reduce(*args: Any, **kwargs: Any) -> Any:
-        global _calls
-        per_step = _calls_per_step
-        if per_step:
-            n = _calls
-            _calls = n + 1
-            if n % per_step == 0:
-                inworker.auto_step(n // per_step)
-        if inworker.hang_armed is not None:
-            block_in_collective(OP)
-        return fn(*args, **kwargs)
-
-    setattr(all_reduce, _INNER, fn)
-    return all_reduce
-
-
-def block_in_collective(op: str) -> None:
-    """Block as a rank that never arrives in ``op``: under a watchdog timer named ``op`` when
-    collective timeouts are on, and for at most the hang limit, then exit."""
-    limit = hang_limit()
-    timer: Any = contextlib.nullcontext()
-    try:
-        from elastictk.timer import client, collectives
-
-        timeout = collectives.watching()
-        if timeout is not None:
-            timer = client.expires(after=timeout, scope=op)
-    except ImportError:  # pragma: no cover - elastictk without its timer layer
-        pass
-    with timer:
-        threading.Event().wait(limit)  # nothing sets it: only a watchdog or the limit ends this
-    os.write(2, (f"elastictk.faults: the injected hang in {op} was not caught by any watchdog "
-                 f"within {limit:g}s; exiting with code {HANG_UNCAUGHT_EXIT} (run the job with "
-                 "a collective timeout, e.g. --collective-timeout 60)\n").encode())
-    os._exit(HANG_UNCAUGHT_EXIT)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``distributed_c10d`` with the other finders, then wraps all_reduce right after the
-    module runs (before ``torch.distributed`` re-exports it). Re-entry is refused, so another
-    finder that consults the whole meta path (elastictk's collective timer does) cannot loop."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != C10D or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global post hook: one finished ``optimizer.step()``."""
+    global _owner, _optimizer_steps
+    if not _counting_optimizer:
+        return
+    owner = _owner() if _owner is not None else None
+    if owner is None:
         try:
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None and spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, self)
-                    return spec
-            return None
-        finally:
-            self._busy.on = False
+            _owner = weakref.ref(optimizer)
+        except TypeError:  # an optimizer without weakref support: count it anyway
+            _owner = None
+        owner = optimizer
+    if owner is not optimizer:
+        return  # a second optimizer of the same loop: its steps are the same steps
+    _optimizer_steps += 1
+    inworker.auto_step(_optimizer_steps)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, hook: _PatchOnImport) -> None:
-        self._inner, self._hook = inner, hook
+def optimizer_steps() -> int:
+    """``optimizer.step()`` calls counted in this process (0 when not counting)."""
+    return _optimizer_steps
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return self._inner.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:
-        global _hook
-        self._inner.exec_module(module)
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        with _lock:
+def _count() -> None:
+    """One all_reduce call: every ``calls_per_step``-th starts a step."""
+    global _calls
+    per_step = _calls_per_step
+    if per_step:
+        n = _calls
+        _calls = n + 1
+        if n % per_step == 0:
+            inworker.auto_step(n // per_step)
+
+
+def stop_counting() -> None:
+    """Stop counting steps (tests, mostly; see ``collective.uninstall``)."""
+    global _calls_per_step, _counting_optimizer, _handle, _optim_hook, _owner
+    with _lock:
+        _calls_per_step, _counting_optimizer, _owner = 0, False, None
+        if _handle is not None:
+            _handle.remove()
+            _handle = None
+        if _optim_hook is not None:
             with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self._hook)
-            if _hook is self._hook:
-                _hook = None
-                _patch(module)
+                sys.meta_path.remove(_optim_hook)
+            _optim_hook = None
 
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code ... for inspect/linecache
-        return getattr(self._inner, name)
+
+def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Install the automatic step count the launcher asked for; True if faults are armed.
+
+    A malformed value is reported in one line on stderr and ignored: the training must still
+    start (the chaos run then reports the faults that never came, and why).
+    """
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV_AUTO) or "").strip()
+    if not raw or not env.get(ENV_PLAN):
+        return False
+    if raw == AUTO_OPTIMIZER:
+        return install_optimizer()
+    try:
+        per_step = int(raw)
+        if per_step < 1:
+            raise ValueError
+    except ValueError:
+        print(f"elastictk.faults: ignoring {ENV_AUTO}={raw!r}: it must be {AUTO_OPTIMIZER!r} "
+              "or an integer >= 1 (all_reduce calls per step)", file=sys.stderr)
+        return False
+    return install_auto(calls_per_step=per_step)
+
+
+def on_loop_step(step: int, *, rank: int, restart_count: int, finished: bool) -> None:
+    """``run_elastic``'s report: step ``step`` is about to run (``finished=False``) or has run
+    in the generation whose job-wide restart count is ``restart_count``, as ``rank``."""
+    if not finished:
+        inworker.loop_step(step, rank=rank, attempt=restart_count)

@@ -3,50 +3,104 @@
 - ``ELASTICTK_FAULT_PLAN``: path of the plan JSON. Its step faults fire in the worker whose
   ``RANK`` (or ``GROUP_RANK``, for a node target) and ``TORCHELASTIC_RESTART_COUNT`` match, when
   its training loop calls ``elastictk.faults.checkpoint(step)``.
-- ``ELASTICTK_FAULT_AUTO``: ``N`` (>= 1) turns on the automatic mode: every ``N`` calls of
-  ``torch.distributed.all_reduce`` count as one step, for scripts that never call
-  ``checkpoint`` (see ``auto``).
+- ``ELASTICTK_FAULT_AUTO``: the automatic step count, for scripts that never call
+  ``checkpoint`` (see ``auto``): ``optimizer`` (every ``optimizer.step()`` is a step; what
+  ``elastictk-chaos`` sets) or ``N`` >= 1 (every ``N`` calls of ``torch.distributed.all_reduce``).
+- ``ELASTICTK_WORKER_HOOKS``: comma-separated ``elastictk.*`` modules each worker activates at
+  start (``activate_from_env()``) and ``run_elastic`` tells of each step (``on_loop_step``):
+  here ``elastictk.faults.auto``. Read by ``elastictk/supervisor/child.py`` in forked workers,
+  by a ``sitecustomize.py`` in subprocess workers (:func:`worker_env` writes
+  :data:`SITECUSTOMIZE` into a directory next to the plan and puts it first on their
+  ``PYTHONPATH``) and by ``elastictk/inplace/loop.py``; the metrics' steps block adds
+  ``elastictk.metrics.worker`` the same way.
 - ``ELASTICTK_FAULT_LOG``: a file each worker appends one JSON line to just before it injects a
   fault (time, rank, step, attempt, pid, kind), for the chaos report.
 - ``ELASTICTK_FAULT_HANG_LIMIT``: seconds an injected hang inside a collective waits for a
   watchdog before the worker gives up and exits (default 3600), so a job run without a watchdog
   still ends.
 
-Workers forked by the agent call :func:`activate_from_env` once they are workers (their
-environment in place); ``subprocess`` workers get :data:`SITE_DIR` on ``PYTHONPATH`` from
-:func:`worker_env`, whose ``sitecustomize`` calls it at interpreter start. Without
-``ELASTICTK_FAULT_AUTO`` there is nothing to activate: ``checkpoint`` reads the plan itself on
-its first call.
+Without ``ELASTICTK_FAULT_AUTO`` there is nothing to activate: ``checkpoint`` reads the plan
+itself on its first call.
 """
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 ENV_PLAN = "ELASTICTK_FAULT_PLAN"
 ENV_AUTO = "ELASTICTK_FAULT_AUTO"
 ENV_LOG = "ELASTICTK_FAULT_LOG"
 ENV_HANG_LIMIT = "ELASTICTK_FAULT_HANG_LIMIT"
+ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"
+HOOK = "elastictk.faults.auto"
+AUTO_OPTIMIZER = "optimizer"
 DEFAULT_HANG_LIMIT_S = 3600.0
-SITE_DIR = str(Path(__file__).resolve().parent / "_site")
+SITE_NAME = "elastictk-site"  # the directory next to the plan that holds SITECUSTOMIZE
+
+#: The interpreter-start hook of subprocess workers (a fresh interpreter runs no code of the
+#: launcher's): step aside for the sitecustomize it shadows (the timer's, a user's, a
+#: distribution's), then, in a worker only (the agent and its fork server inherit PYTHONPATH
+#: too), activate every module named in ELASTICTK_WORKER_HOOKS, as
+#: elastictk/supervisor/child.py does in forked workers. Failure-proof: nothing here may stop
+#: the worker from starting.
+SITECUSTOMIZE = '''"""elastictk's worker hooks for subprocess workers (written by elastictk.faults.env)."""
+import importlib
+import os
+import sys
 
 
-def worker_env(plan_path: Union[str, os.PathLike[str]], *, auto: int = 0,
-               log_path: Union[str, os.PathLike[str], None] = None,
+def _elastictk_hooks():
+    here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if not p or os.path.realpath(p) != here]
+    me = sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401  (the one this file shadows, if any)
+    except ModuleNotFoundError as e:
+        if e.name != "sitecustomize":
+            print(f"Error in sitecustomize: {e!r}", file=sys.stderr)
+        if me is not None:
+            sys.modules["sitecustomize"] = me
+    except Exception as e:  # what site.py itself would do
+        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\\n{type(e).__name__}: {e}",
+              file=sys.stderr)
+    if "RANK" not in os.environ or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    for name in os.environ.get("ELASTICTK_WORKER_HOOKS", "").split(","):
+        if name.strip().startswith("elastictk."):
+            try:
+                importlib.import_module(name.strip()).activate_from_env()
+            except Exception as e:
+                print(f"elastictk: worker hook {name} is off: {e!r}", file=sys.stderr)
+
+
+_elastictk_hooks()
+del _elastictk_hooks
+'''
+
+
+def add_hook(current: Optional[str], module: str) -> str:
+    """``ELASTICTK_WORKER_HOOKS`` with ``module`` added once (order kept)."""
+    names = [n for n in (current or "").split(",") if n.strip()]
+    return ",".join(names if module in names else [*names, module])
+
+
+def worker_env(plan_path: str | os.PathLike[str], *, auto: int | str = 0,
+               log_path: str | os.PathLike[str] | None = None,
                hang_limit_s: Optional[float] = None,
                base_env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The variables to add to every worker's environment for ``plan_path``.
 
-    ``auto`` > 0 turns on the automatic mode (``auto`` all_reduce calls per step) and puts
-    :data:`SITE_DIR` first on ``PYTHONPATH``, keeping ``base_env``'s entries after it (pass the
-    environment the worker would otherwise get, including other launcher additions such as the
-    timer's, so neither hides the other).
+    ``auto`` turns on the automatic step count: ``"optimizer"`` (optimizer steps) or an integer
+    > 0 (all_reduce calls per step); it names :data:`HOOK` in ``ELASTICTK_WORKER_HOOKS``, writes
+    :data:`SITECUSTOMIZE` into :func:`site_dir` and puts that first on ``PYTHONPATH``, keeping
+    ``base_env``'s entries after it (pass the environment the worker would otherwise get,
+    including other launcher additions such as the timer's, so neither hides the other).
     """
-    if isinstance(auto, bool) or not isinstance(auto, int) or auto < 0:
-        raise ValueError(f"auto {auto!r} must be an integer >= 0 (all_reduce calls per step; "
-                         "0 = off)")
+    if auto != AUTO_OPTIMIZER and (isinstance(auto, bool) or not isinstance(auto, int)
+                                   or auto < 0):
+        raise ValueError(f"auto {auto!r} must be {AUTO_OPTIMIZER!r} or an integer >= 0 "
+                         "(all_reduce calls per step; 0 = off)")
     env = {ENV_PLAN: str(Path(plan_path).resolve())}
     if log_path is not None:
         env[ENV_LOG] = str(Path(log_path).resolve())
@@ -57,32 +111,24 @@ def worker_env(plan_path: Union[str, os.PathLike[str]], *, auto: int = 0,
     if auto:
         env[ENV_AUTO] = str(auto)
         base = os.environ if base_env is None else base_env
-        rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
-        env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *rest])
+        env[ENV_HOOKS] = add_hook(base.get(ENV_HOOKS), HOOK)
+        site = site_dir(plan_path)
+        rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+        env["PYTHONPATH"] = os.pathsep.join([site, *rest])
     return env
 
 
-def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Install the automatic injector if the launcher asked for it; True if faults are armed.
-
-    A malformed value is reported in one line on stderr and ignored: the training must still
-    start (the chaos run then sees the faults that never came).
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_AUTO)
-    if not raw or not env.get(ENV_PLAN):
-        return False
-    try:
-        per_step = int(raw)
-        if per_step < 1:
-            raise ValueError
-    except ValueError:
-        print(f"elastictk.faults: ignoring {ENV_AUTO}={raw!r}: it must be an integer >= 1 "
-              "(all_reduce calls per step)", file=sys.stderr)
-        return False
-    from .auto import install_auto
-
-    return install_auto(calls_per_step=per_step)
+def site_dir(plan_path: str | os.PathLike[str]) -> str:
+    """The directory next to ``plan_path`` holding the subprocess workers' ``sitecustomize.py``
+    (written now, private to the user: it is code every worker runs)."""
+    d = Path(plan_path).resolve().parent / SITE_NAME
+    d.mkdir(mode=0o700, exist_ok=True)
+    f = d / "sitecustomize.py"
+    if not f.exists() or f.read_text() != SITECUSTOMIZE:
+        tmp = d / f".sitecustomize.{os.getpid()}.tmp"
+        tmp.write_text(SITECUSTOMIZE)
+        os.replace(tmp, f)
+    return str(d)
 
 
 def hang_limit(environ: Optional[Mapping[str, str]] = None) -> float:

@@ -43,7 +43,7 @@ def generate(seed: int, knobs: Knobs) -> FaultPlan:
         gap_ms = math.ceil(knobs.min_gap_s * 1000)
         positions = _spaced(rng, lo_ms, hi_ms, knobs.count, gap_ms,
                             lambda: f"{knobs.count} faults {knobs.min_gap_s:g}s apart in "
-                                    f"{knobs.seconds[0]:g}-{knobs.seconds[1]:g}s")  # type: ignore[index]
+                                    f"{knobs.seconds[0]:g}-{knobs.seconds[1]:g}s")
     ranks = [r for r in range(knobs.world_size) if r not in set(knobs.never)]
     per_node = knobs.world_size // knobs.nodes
     nodes = [n for n in range(knobs.nodes)

@@ -25,6 +25,14 @@ what makes it once per job. What each kind does, in the worker:
 
 Each fault is announced first: one line on stderr and, with ``ELASTICTK_FAULT_LOG``, one JSON
 line appended to that file.
+
+Where the step comes from, highest first: the script's own ``checkpoint(step)``; then
+``run_elastic``'s report of each step it runs (:func:`loop_step`, which also re-arms the plan
+for the generation's restart count and rank: under in-place recovery a surviving worker lives
+through several attempts); then the automatic count (``auto``: optimizer steps or all_reduce
+calls). A source stands aside for good once a higher one reports. With ``ELASTICTK_FAULT_LOG``
+each worker also writes a ``progress`` line when it sees its first step and when it exits (the
+source and the last step), so a chaos run can say why a fault did not fire.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ import threading
 import time
 from typing import Optional
 
+from .collective import OP, block_in_collective, ensure_wrapped
 from .env import ENV_LOG, ENV_PLAN
 from .kinds import PlanError
 from .plan import Fault, FaultPlan
@@ -50,22 +59,71 @@ class InjectedFault(RuntimeError):
 _next: float = -math.inf
 _due: list[tuple[int, Fault]] = []  # (plan index, fault), in step order
 _who: dict[str, Optional[int]] = {}
-_user_steps = False  # checkpoint() was called: the automatic step count stands aside
+_level = 0  # the highest step source seen: 0 none, then AUTO < LOOP < USER
+AUTO, LOOP, USER = 1, 2, 3
+SOURCES = {AUTO: "auto", LOOP: "loop", USER: "checkpoint"}
+_last_step: Optional[int] = None  # the last step seen, from the source in force
+_reported = False  # the first-step progress line was written
 hang_armed: Optional[tuple[int, Fault]] = None  # read by the all_reduce wrapper
+_plan: Optional[FaultPlan] = None
+_fired: set[int] = set()  # plan indexes fired in this process (a re-arm never repeats one)
 _lock = threading.RLock()
 
 
 def checkpoint(step: int) -> None:
     """Perform the faults planned for this worker at ``step`` (see the module's docstring)."""
+    global _last_step, _level
+    if _level != USER:
+        _take(USER, step)
+    _last_step = step
     if step < _next:
         return
     _reached(step, "checkpoint")
 
 
 def auto_step(step: int) -> None:
-    """The automatic mode's step (counted collectives); ignored once ``checkpoint`` is used."""
-    if step >= _next and not _user_steps:
+    """The automatic count's step; ignored once a script or ``run_elastic`` reports steps."""
+    global _last_step
+    if _level > AUTO:
+        return
+    if not _level:
+        _take(AUTO, step)
+    _last_step = step
+    if step >= _next:
         _reached(step, "auto")
+
+
+def loop_step(step: int, *, rank: int, attempt: int) -> None:
+    """``run_elastic``'s step, about to run as ``rank`` in attempt ``attempt`` (the restart count
+    of its generation): re-arms when either changed; ignored once ``checkpoint`` is used."""
+    global _last_step
+    if _level > LOOP:
+        return
+    if _level < LOOP:
+        _take(LOOP, step)
+    if _next == -math.inf:
+        load_from_env()
+    if (_who.get("rank"), _who.get("attempt")) != (rank, attempt) and _plan is not None:
+        arm(_plan, rank=rank, node=_who.get("node"), attempt=attempt)
+    _last_step = step
+    if step >= _next:
+        _reached(step, "loop")
+
+
+def _take(level: int, step: int) -> None:
+    """A step source reports for the first time (or outranks the one before)."""
+    global _level, _reported
+    with _lock:
+        _level = max(_level, level)
+        first = not _reported
+        _reported = True
+    if first:
+        if _next == -math.inf:
+            load_from_env()
+        _progress("first", step)
+        import atexit
+
+        atexit.register(lambda: _progress("exit", _last_step))
 
 
 def arm(plan: FaultPlan, *, rank: int, node: Optional[int] = None, attempt: int = 0) -> int:
@@ -73,16 +131,21 @@ def arm(plan: FaultPlan, *, rank: int, node: Optional[int] = None, attempt: int 
 
     ``checkpoint`` does this itself from the environment; call it to inject without a launcher.
     """
-    global _next, _due, _who
+    global _next, _due, _who, _plan
     with _lock:
-        _due = [p for p in plan.step_faults(rank, node, attempt)]
+        _plan = plan
+        _due = [p for p in plan.step_faults(rank, node, attempt) if p[0] not in _fired]
         _who = {"rank": rank, "node": node, "attempt": attempt}
         _next = _due[0][1].at_step if _due else math.inf  # type: ignore[assignment]
         if any(f.kind == "hang-in-collective" for _, f in _due):
-            from .auto import ensure_wrapped
-
-            ensure_wrapped()
+            ensure_wrapped(on_hang=_hang_if_armed)
         return len(_due)
+
+
+def _hang_if_armed() -> None:
+    """Run by the all_reduce wrapper: a ``hang-in-collective`` that fired blocks right here."""
+    if hang_armed is not None:
+        block_in_collective(OP)
 
 
 def pending() -> list[tuple[int, Fault]]:
@@ -127,15 +190,14 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
 
 
 def _reached(step: int, source: str) -> None:
-    global _next, _user_steps
+    global _next
     if _next == -math.inf:
         load_from_env()
     with _lock:
-        if source == "checkpoint":
-            _user_steps = True
         fire: list[tuple[int, Fault]] = []
         while _due and _due[0][1].at_step <= step:  # type: ignore[operator]
             fire.append(_due.pop(0))
+            _fired.add(fire[-1][0])
         _next = _due[0][1].at_step if _due else math.inf  # type: ignore[assignment]
     for index, fault in fire:
         _perform(index, fault, step, source)
@@ -172,13 +234,48 @@ def _announce(index: int, fault: Fault, step: int, source: str) -> None:
     rank = _who.get("rank")
     print(f"elastictk.faults: injecting fault #{index} ({fault.spec}) in rank {rank} at step "
           f"{step}, attempt {_who.get('attempt')}", file=sys.stderr, flush=True)
+    _log({"fault": index, "kind": fault.spec, "target": str(fault.target), "rank": rank,
+          "node": _who.get("node"), "attempt": _who.get("attempt"), "step": step,
+          "planned_step": fault.at_step, "pid": os.getpid(), "source": source,
+          "wall": time.time(), "monotonic": time.monotonic()})
+
+
+def _progress(when: str, step: Optional[int]) -> None:
+    """A ``progress`` line: the step source of this process and its last step (at exit)."""
+    if not os.environ.get(ENV_LOG):
+        return
+    rank = _who.get("rank", _env_rank())
+    attempt = _who.get("attempt", _env_attempt())
+    node = _who.get("node") if _who else _env_node()
+    _log({"progress": when, "source": SOURCES.get(_level, "none"), "step": step, "rank": rank,
+          "node": node, "attempt": attempt, "pid": os.getpid(), "monotonic": time.monotonic()})
+
+
+def _env_node() -> Optional[int]:
+    try:
+        return _env_int("GROUP_RANK", None)
+    except PlanError:
+        return None
+
+
+def _env_rank() -> Optional[int]:
+    try:
+        return _env_int("RANK", None)
+    except PlanError:
+        return None
+
+
+def _env_attempt() -> Optional[int]:
+    try:
+        return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    except PlanError:
+        return None
+
+
+def _log(entry: dict[str, object]) -> None:
     path = os.environ.get(ENV_LOG)
     if not path:
         return
-    entry = {"fault": index, "kind": fault.spec, "target": str(fault.target), "rank": rank,
-             "node": _who.get("node"), "attempt": _who.get("attempt"), "step": step,
-             "planned_step": fault.at_step, "pid": os.getpid(), "source": source,
-             "wall": time.time(), "monotonic": time.monotonic()}
     try:  # one O_APPEND write: lines from several workers never interleave
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -191,6 +288,8 @@ def _announce(index: int, fault: Fault, step: int, source: str) -> None:
 
 def _reset() -> None:
     """Forget the plan (tests, and a forked child that must re-read its own environment)."""
-    global _next, _due, _who, _user_steps, hang_armed
+    global _next, _due, _who, _level, hang_armed, _plan, _last_step, _reported
     with _lock:
-        _next, _due, _who, _user_steps, hang_armed = -math.inf, [], {}, False, None
+        _next, _due, _who, _level, hang_armed = -math.inf, [], {}, 0, None
+        _plan, _last_step, _reported = None, None, False
+        _fired.clear()

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
-Param = Union[int, float, None]
+Param = int | float | None
 
 STEP, TIME = "step", "time"
 RANK, NODE, STORE = "rank", "node", "store"

@@ -94,9 +94,10 @@ class Knobs:
         if isinstance(kinds, str) or not kinds:
             raise PlanError(f"kinds {kinds!r} must be a non-empty list, e.g. ['sigkill', "
                             "'slow:1']")
-        object.__setattr__(self, "kinds", tuple(kinds))
+        kinds_t = tuple(kinds)
+        object.__setattr__(self, "kinds", kinds_t)
         trigger = self.trigger
-        for spec in self.kinds:
+        for spec in kinds_t:
             name = _kind_name(spec)
             if trigger not in KINDS[name].triggers:
                 other = "steps=(lo, hi)" if trigger == TIME else "seconds=(lo, hi)"
@@ -105,7 +106,15 @@ class Knobs:
             if name in HANGS and self.watchdog_s is None:
                 raise PlanError(f"kind {spec!r} needs watchdog_s (the job's collective timeout): "
                                 "without a watchdog nothing ends the hang")
-            if name == "slow" and self.watchdog_s is not None and self.slow_s[1] >= self.watchdog_s:
+            if name != "slow" or self.watchdog_s is None:
+                continue
+            given = _given_seconds(spec)
+            if given is not None:  # slow:<s> written out: used as given, whatever slow_s says
+                if given >= self.watchdog_s:
+                    raise PlanError(f"kind {spec!r}: a {given:g}s straggler is not shorter than "
+                                    f"watchdog_s {self.watchdog_s:g}s, so it is caught as a hang; "
+                                    "give fewer seconds or a longer --collective-timeout")
+            elif self.slow_s[1] >= self.watchdog_s:
                 raise PlanError(f"slow_s upper bound {self.slow_s[1]:g}s must stay below "
                                 f"watchdog_s {self.watchdog_s:g}s, or the straggler is caught as "
                                 "a hang")
@@ -134,7 +143,7 @@ class Knobs:
             if key not in fields:
                 raise PlanError(f"{where}: unknown field {key!r}; expected one of "
                                 f"{', '.join(fields)}")
-        args = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        args: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
         try:
             return cls(**args)
         except PlanError as e:
@@ -153,6 +162,13 @@ def _kind_name(spec: object) -> str:
         raise PlanError(f"kinds: {e}") from None
 
 
+def _given_seconds(spec: object) -> Optional[float]:
+    """The seconds of a ``slow:<s>`` written out in the knobs; None for a bare ``slow``."""
+    if isinstance(spec, str) and spec.strip() in KINDS:
+        return None
+    return float(parse_kind(spec)[1] or 0)
+
+
 def _int(v: object, name: str, low: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise PlanError(f"{name} {v!r} must be an integer >= {low}")
@@ -166,7 +182,7 @@ def _pair(v: object, name: str, typ: type) -> tuple[Any, Any]:
     if not ok:
         raise PlanError(f"{name} {v!r} must be a pair ({'integers' if typ is int else 'numbers'})"
                         " [lo, hi]")
-    return typ(v[0]), typ(v[1])  # type: ignore[call-arg,index]
+    return typ(v[0]), typ(v[1])  # type: ignore[index]
 
 
 __all__ = ["Knobs", "PlanError", "DEFAULT_STEP_KINDS", "DEFAULT_TIME_KINDS", "known"]

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .kinds import KINDS, STEP, TIME, Param, PlanError, check_param, format_kind, known, \
     needs_restart, parse_kind
@@ -82,7 +82,7 @@ class Fault:
                             f"target {want}")
 
     @classmethod
-    def of(cls, kind: str, target: Union[str, Target], *, at_s: Optional[float] = None,
+    def of(cls, kind: str, target: str | Target, *, at_s: Optional[float] = None,
            at_step: Optional[int] = None, attempt: Optional[int] = None) -> Fault:
         """Build from the written forms: ``Fault.of("slow:2", "rank:1", at_step=30)``."""
         name, param = parse_kind(kind)
@@ -239,7 +239,7 @@ class FaultPlan:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
-    def save(self, path: Union[str, os.PathLike[str]]) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan atomically (a worker reading it never sees half a file)."""
         p = Path(path)
         tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}")
@@ -248,7 +248,7 @@ class FaultPlan:
         return p
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike[str]]) -> FaultPlan:
+    def load(cls, path: str | os.PathLike[str]) -> FaultPlan:
         """Read a plan file; a missing file, bad JSON or bad field raises one line naming it."""
         p = Path(path)
         try:

@@ -18,10 +18,16 @@ or repeated across a change.
 Outside such an agent (torchrun, or elastictk-run's default restart-all) ``run_elastic`` forms
 the group from the usual environment and runs the same loop without recovery: a failure ends
 the worker as in any script, and the launcher restarts the job.
+
+Snapshot tiers (``--snapshot local|disk``, docs/snapshots.md): every commit also lands there,
+and whenever a group forms with no rank holding a commit (a job's start, a restart-all, every
+worker of a generation lost at once) the ranks ``state.restore()`` together, so a restarted job
+resumes from the newest step every rank holds whole instead of step 0.
 """
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -34,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 from .protocol import (
-    ENV_FIRST_GEN, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, error_key, gen_key,
-    is_peer_failure, joined_key, pg_prefix, ready_key, ready_value, shard,
+    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, Sealer, error_key,
+    gen_key, is_peer_failure, joined_key, pg_prefix, ready_key, ready_value, shard,
 )
 from .state import State
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0
 ENV_COLLECTIVE_TIMEOUT = "ELASTICTK_COLLECTIVE_TIMEOUT"
+ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"  # modules told of each step (fault injection, metrics)
 ENV_WAIT = "ELASTICTK_INPLACE_WAIT"  # how long a survivor waits for the next generation
 DEFAULT_WAIT = 300.0
 JOIN_TIMEOUT = 120.0
@@ -78,7 +85,9 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
     """Run ``train_step(state, ctx)`` until ``state.step >= steps`` (or ``done(state)``).
 
     ``train_step`` does one step on the default process group (``dist.all_reduce(...)`` as in
-    any script) and advances ``state.step``; ``run_elastic`` commits after each step.
+    any script) and advances ``state.step``; ``run_elastic`` commits after each step. Each step
+    is reported to the modules named in ``ELASTICTK_WORKER_HOOKS`` (``on_loop_step``: a chaos
+    run's fault injector before it runs, the metrics' step counter after its commit).
     ``on_join(state, ctx)`` runs after every group formation (the first too), with the state
     already synced: a place to log or rebuild derived objects. Returns the last context; the
     process group is destroyed on return.
@@ -88,8 +97,8 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
     finished = done if done is not None else (lambda s: int(s.step) >= int(steps))  # type: ignore[arg-type]
     timeout = float(collective_timeout if collective_timeout is not None
                     else os.environ.get(ENV_COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT))
-    if not state.committed:
-        state.commit()
+    # No commit yet: the state is restored (snapshot tiers) or committed once the group forms,
+    # not here: a commit now would take one of the two local slots that a restore may need.
     # Here a collective that runs past the timeout is a recoverable error (the group times
     # out, the agent kills the frozen peer, the survivors re-form), not a hang for the
     # watchdog to kill: the same --collective-timeout sets the group's timeout instead.
@@ -98,15 +107,24 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
     timer.unwatch_collectives()
     session = Session.from_env(backend, timeout)
     ctx = session.join(state, after=None)
+    if not state.committed:
+        state.commit()
     if on_join is not None:
         on_join(state, ctx)
+    hooks = _step_hooks()
     while True:
         failure: Optional[str] = None
         moved = False
         try:
             while not finished(state):
+                for hook in hooks:
+                    hook(int(state.step), rank=ctx.rank, restart_count=ctx.restart_count,
+                         finished=False)
                 train_step(state, ctx)
                 state.commit()
+                for hook in hooks:
+                    hook(int(state.step), rank=ctx.rank, restart_count=ctx.restart_count,
+                         finished=True)
                 if session.superseded(ctx.generation):
                     moved = True  # nodes join: the world grows at this commit point
                     break
@@ -135,6 +153,23 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
             on_join(state, ctx)
     session.close()
     return ctx
+
+
+def _step_hooks() -> list[Callable[..., None]]:
+    """``on_loop_step`` of each ``elastictk.*`` module named in ``ELASTICTK_WORKER_HOOKS``, by
+    name (this package imports neither fault injection nor metrics)."""
+    out = []
+    for name in (n.strip() for n in os.environ.get(ENV_HOOKS, "").split(",")):
+        if not name.startswith("elastictk."):
+            continue
+        try:
+            fn = getattr(importlib.import_module(name), "on_loop_step", None)
+        except ImportError as e:
+            _say(f"elastictk: steps are not reported to {name}: {e}")
+            continue
+        if callable(fn):
+            out.append(fn)
+    return out
 
 
 def _drop(holder: list[Any]) -> None:
@@ -169,7 +204,7 @@ class Session:
 
     def __init__(self, backend: str, timeout: float, rank: int, world_size: int,
                  store: Optional[Any], node: str = "", local_rank: int = 0,
-                 first_gen: int = 0) -> None:
+                 first_gen: int = 0, key: Optional[str] = None, prefix: str = "") -> None:
         self.backend = backend
         self.timeout = timeout
         self.rank = rank
@@ -178,6 +213,9 @@ class Session:
         self.node = node
         self.local_rank = local_rank
         self.first_gen = first_gen
+        # Token jobs: the records of the in-place store are sealed with the run's in-place key
+        # (``prefix``: the store's, which the MACs cover); one that does not verify is absent.
+        self.sealer = Sealer(key, prefix)
         self.wait_s = float(os.environ.get(ENV_WAIT, DEFAULT_WAIT))
         self._next_check = 0.0
         self._fresh = True  # until it first joins, a worker holds only its initial state
@@ -196,16 +234,20 @@ class Session:
         host, _, port = endpoint.rpartition(":")
         raw = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                             timeout=datetime.timedelta(seconds=max(timeout, 60.0)), use_libuv=True)
-        store = dist.PrefixStore(os.environ.get(ENV_PREFIX, ""), raw)
+        prefix = os.environ.get(ENV_PREFIX, "")
+        store = dist.PrefixStore(prefix, raw)
         return cls(backend, timeout, rank, world, store, node=os.environ.get(ENV_NODE, ""),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   first_gen=int(os.environ.get(ENV_FIRST_GEN, "0")))
+                   first_gen=int(os.environ.get(ENV_FIRST_GEN, "0")),
+                   key=os.environ.get(ENV_KEY) or None, prefix=prefix)
 
     # -- forming a generation -----------------------------------------------------------------
     def join(self, state: State, after: Optional[int]) -> Context:
         """Form the newest generation's group (newer than ``after``), sync the state."""
         if self.store is None:
             dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=self.timeout))
+            if not state.committed:
+                state.restore()  # a restart-all: every rank starts here, the tiers hold the state
             return Context(dist.get_rank(), dist.get_world_size(),
                            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         while True:
@@ -242,7 +284,8 @@ class Session:
                 continue
             self._fresh = False
             if self.store.add(joined_key(gen.gen), 1) == gen.world_size:
-                self.store.set(ready_key(gen.gen), ready_value(time.time()))
+                key = ready_key(gen.gen)
+                self.store.set(key, self.sealer.seal(key, ready_value(time.time())))
             return Context(self.rank, gen.world_size, gen.gen, gen.restart_count,
                            recovered=after is not None)
 
@@ -259,7 +302,25 @@ class Session:
         latest = int(self.store.add(GEN_COUNTER, 0))
         if after is not None and latest <= after:
             latest = after + 1  # the record is written after the counter's bump; it exists
-        return Generation.from_json(self.store.get(gen_key(latest)))
+        key = gen_key(latest)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            value = self.sealer.open(key, self.store.get(key))
+            if value is not None:
+                return Generation.from_json(value)
+            # Token jobs: bytes there that do not verify are absent; the agent replaces them.
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"rank {self.rank}: no sealed generation {latest} within "
+                                    f"{self.wait_s:.0f}s; giving up on in-place recovery")
+            time.sleep(0.05)
+
+    def _published(self, g: int) -> bool:
+        """Whether generation ``g``'s record exists (and, token jobs, verifies)."""
+        assert self.store is not None
+        key = gen_key(g)
+        if not self.store.check([key]):
+            return False
+        return not self.sealer.enabled or self.sealer.open(key, self.store.get(key)) is not None
 
     def superseded(self, gen: int) -> bool:
         """Whether a generation after ``gen`` exists (nodes joined); looked up at most every
@@ -270,7 +331,7 @@ class Session:
         if now < self._next_check:
             return False
         self._next_check = now + CHECK_EVERY
-        return bool(self.store.check([gen_key(gen + 1)]))
+        return self._published(gen + 1)
 
     def finish(self, ctx: Context) -> bool:
         """Every rank is past the last step: end the job, unless nodes joined just now.
@@ -285,7 +346,9 @@ class Session:
         if self.rank == 0:
             done = Generation(ctx.generation + 1, ctx.world_size, ctx.restart_count,
                               "finished", finished=True).to_json()
-            flag[0] = int(self.store.compare_set(gen_key(ctx.generation + 1), "", done) == done)
+            key, store = gen_key(ctx.generation + 1), self.store
+            won, _ = self.sealer.claim(key, done, lambda old, new: store.compare_set(key, old or "", new))
+            flag[0] = int(won)
         dist.broadcast(flag, 0)
         return bool(flag[0])
 
@@ -300,7 +363,7 @@ class Session:
         assert self.store is not None
         self._teardown()
         try:
-            if self.store.check([gen_key(ctx.generation + 1)]):
+            if self._published(ctx.generation + 1):
                 # A peer left for the next generation (nodes joined or left): not a failure.
                 _say(f"elastictk: rank {self.rank}: generation {ctx.generation + 1} published; "
                      f"re-forming ({first})")
@@ -308,8 +371,9 @@ class Session:
         except RuntimeError:
             pass
         try:
-            self.store.set(error_key(ctx.generation), json.dumps(
-                {"rank": self.rank, "error": first, "t": time.time()}).encode())
+            key = error_key(ctx.generation)
+            self.store.set(key, self.sealer.seal(key, json.dumps(
+                {"rank": self.rank, "error": first, "t": time.time()}).encode()))
         except RuntimeError:
             pass  # the store is gone with the agent; the death signal ends this worker next
         _say(f"elastictk: rank {self.rank}: collective failed in generation "
@@ -349,15 +413,22 @@ class Session:
 def _sync(state: State, rank: int, *, fresh: bool) -> None:
     """Make every rank's state the newest commit any rank holds (broadcast from its holder).
 
-    A fresh worker counts as step -1, so any survivor's commit wins over its initial state; when
-    every rank is fresh (or all at one step) each keeps its own, as at the first start.
+    A fresh worker counts as step -1, so any survivor's commit wins over its initial state.
+    When no rank holds a commit (the job's first start, or every worker was restarted: a
+    restart-all, every worker of a generation lost at once), the ranks restore together from
+    the snapshot tiers (``state.restore()``: the newest step every rank holds whole); without
+    one each keeps its initial state, as at the first start.
     """
     world = dist.get_world_size()
-    mine = torch.tensor([-1 if fresh else state.committed_step()], dtype=torch.int64)
+    mine = torch.tensor([-1 if fresh or not state.committed else state.committed_step()],
+                        dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, mine)
     steps = [int(t[0]) for t in every]
     best = max(steps)
+    if best < 0:
+        state.restore()  # collective over this group; None (keeps its state) without a tier
+        return
     if min(steps) == best:
         return  # everyone is at the same commit: nothing to send
     src = steps.index(best)

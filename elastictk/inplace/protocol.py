@@ -16,18 +16,28 @@ prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
                          moment the group formed, not to when its watcher noticed
     g<G>/error           the first worker whose collective failed in G says so here
 
+With a job token (``--rdzv-token``) the records (``gen/<G>``, ``g<G>/ready``, ``g<G>/error``)
+are sealed (:class:`Sealer`) with a per-run key the agent derives from the token and the run's
+nonce and hands its workers as ``ELASTICTK_INPLACE_KEY`` (never the token itself); a record
+that does not verify reads as absent. Counters are not sealed.
+
 Plain JSON, no torch: the agent reads this module without importing torch.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 ENV_STORE = "ELASTICTK_INPLACE_STORE"
 ENV_PREFIX = "ELASTICTK_INPLACE_PREFIX"
 ENV_NODE = "ELASTICTK_INPLACE_NODE"  # the worker's agent (node id): its key in ``Generation.nodes``
 ENV_FIRST_GEN = "ELASTICTK_INPLACE_FIRST_GEN"  # a joining worker's first generation
+ENV_KEY = "ELASTICTK_INPLACE_KEY"  # token jobs: the run's in-place key (derived, not the token)
 SCHEMA = "elastictk.inplace-generation/1"
 
 GEN_COUNTER = "gen"
@@ -68,6 +78,82 @@ def error_key(g: int) -> str:
 def round_prefix(job_id: str, round_: int, attempt: int) -> str:
     """Where one attempt's generations live; a new round or attempt never sees old keys."""
     return f"elastictk/inplace/{job_id}/r{round_}/a{attempt}"
+
+
+SEAL_CONTEXT = b"elastictk-inplace-seal/1"  # the MAC's domain: bumped if what it covers changes
+_MAC_LEN = 64  # hex digits of HMAC-SHA256
+_CAS_TRIES = 100
+
+log = logging.getLogger("elastictk.inplace")
+
+
+class Sealer:
+    """Seals and opens the in-place records under one prefix with the run's in-place key.
+
+    Wire format of a sealed value: ``<64 hex digits>:<value>``, the hex being
+    ``HMAC-SHA256(key, SEAL_CONTEXT + b"\\n" + full store key + b"\\n" + value)``: the MAC
+    binds the key name, so a record cannot be replayed under another key (another generation,
+    another round's prefix). ``Sealer(None, ...)`` (no token) seals nothing and believes all.
+    Opening never raises: a value that does not verify is None (absent), warned about once
+    per key.
+    """
+
+    def __init__(self, key: Optional[str], prefix: str) -> None:
+        self._key = key.encode() if key else None
+        self.prefix = prefix
+        self._warned: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def name(self, key: str) -> str:
+        """The full store key a MAC covers."""
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        assert self._key is not None
+        msg = b"\n".join((SEAL_CONTEXT, self.name(key).encode(), value))
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, value: bytes) -> bytes:
+        return value if self._key is None else self._mac(key, value) + b":" + value
+
+    def open(self, key: str, raw: Optional[bytes]) -> Optional[bytes]:
+        """The value sealed in ``raw`` for ``key``; None when absent or it does not verify."""
+        if raw is None or self._key is None:
+            return raw
+        raw = bytes(raw)
+        mac, sep, value = raw[:_MAC_LEN], raw[_MAC_LEN:_MAC_LEN + 1], raw[_MAC_LEN + 1:]
+        if sep == b":" and hmac.compare_digest(mac, self._mac(key, value)):
+            return value
+        name = self.name(key)
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("ignored in-place store key %r: not sealed with this run's in-place key "
+                        "(forged, replayed, or from another run)", name)
+        return None
+
+    def claim(self, key: str, value: bytes,
+              cas: Callable[[Optional[bytes], bytes], Optional[bytes]]) -> tuple[bool, bytes]:
+        """Compare-and-set ``value`` (sealed) into an absent ``key``: (whether we won, the value
+        there now). Bytes that do not verify count as absent and are replaced. ``cas(expected,
+        desired)`` is the store's compare-and-set (``expected`` None: absent), returning what
+        the key holds after it (None: absent)."""
+        mine = self.seal(key, value)
+        expected: Optional[bytes] = None
+        for _ in range(_CAS_TRIES):
+            got = cas(expected, mine)
+            if got is not None:
+                got = bytes(got)
+            if got == mine:
+                return True, value
+            current = self.open(key, got)
+            if current is not None:
+                return False, current
+            # absent again, or bytes that do not verify: replace exactly those
+            expected = None if got is None or got == expected else got
+        raise RuntimeError(f"in-place store key {self.name(key)!r}: {_CAS_TRIES} compare-and-set conflicts")
 
 
 @dataclass(frozen=True)

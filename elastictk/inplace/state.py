@@ -13,12 +13,21 @@ the step gives exactly the weights a fault-free run would have.
 The commit also travels: ``to_bytes()``/``load_bytes()`` serialize it (``torch.save``; read back
 with ``weights_only=True``, so a peer's bytes can hold tensors and plain data but no code), which
 is how a replacement worker receives the state from a survivor over the process group.
+
+Snapshots (docs/snapshots.md): with a tier configured (``elastictk-run --snapshot local|disk``,
+the ``ELASTICTK_SNAPSHOT*`` environment, or ``State(..., snapshot_dir=DIR)`` in code),
+``commit()`` serializes the state once into a preallocated buffer (the agent's shared memory for
+the local tier) instead of cloning it, a background thread checksums it and writes the disk
+tier, and ``restore()`` loads the newest step every rank holds whole, after a restart.
 """
 from __future__ import annotations
 
 import copy
 import io
-from typing import Any, Protocol, runtime_checkable
+import os
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from ..snapshot.settings import Settings, SettingsError
 
 
 @runtime_checkable
@@ -32,6 +41,9 @@ class StateError(RuntimeError):
     """State used wrongly (rollback before any commit, an unknown name); says what to do."""
 
 
+_LAZY = object()  # the last commit lives in the snapshot buffer; decoded when needed
+
+
 class State:
     """User-registered training state; attribute access reads and writes the registered names.
 
@@ -40,12 +52,26 @@ class State:
         state = State(model=model, optimizer=opt, step=0)
         state.step += 1
         state.commit()
+
+    With snapshots, a plain script adds ``state.restore()`` once the process group exists::
+
+        state = State(model=model, optimizer=opt, step=0)   # elastictk-run --snapshot local ...
+        state.restore()                                      # the newest step all ranks hold
+        while state.step < steps:
+            ...; state.step += 1
+            state.commit()
+
+    ``snapshot`` (``"local"``, ``"disk"``, ``"local,disk"``), ``snapshot_dir`` and
+    ``snapshot_every`` override the launcher's settings (``ELASTICTK_SNAPSHOT*``); a
+    ``snapshot_dir`` alone turns the disk tier on (how a script gets snapshots under torchrun).
     """
 
     _RESERVED = frozenset({"commit", "rollback", "committed", "committed_step", "to_bytes",
-                           "load_bytes", "names"})
+                           "load_bytes", "names", "restore", "flush", "snapshot", "snapshot_dir",
+                           "snapshot_every"})
 
-    def __init__(self, **entries: Any) -> None:
+    def __init__(self, *, snapshot: Optional[str] = None, snapshot_dir: Optional[str] = None,
+                 snapshot_every: Optional[int] = None, **entries: Any) -> None:
         objects: dict[str, Stateful] = {}
         values: dict[str, Any] = {}
         for name, value in entries.items():
@@ -58,6 +84,15 @@ class State:
         object.__setattr__(self, "_objects", objects)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_commit", None)
+        object.__setattr__(self, "_commit_values", None)
+        object.__setattr__(self, "_commits", 0)
+        object.__setattr__(self, "_snap", None)
+        try:
+            settings = Settings.resolve(os.environ, tiers=snapshot, directory=snapshot_dir,
+                                        every=snapshot_every)
+        except SettingsError as e:
+            raise StateError(str(e)) from None
+        object.__setattr__(self, "_snap_settings", settings)
 
     # -- attribute access -------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -87,9 +122,77 @@ class State:
             "values": copy.deepcopy(self._values),
         }
 
+    def _snapshotter(self) -> Any:
+        """The snapshot writer, made on first use (ranks known by then), or None without tiers."""
+        if self._snap is None and self._snap_settings.enabled:
+            from ..snapshot.worker import Snapshotter
+
+            rank, world = _rank_world()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+            snap = Snapshotter(self._snap_settings, rank=rank, world=world,
+                               local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0),
+                               local_world=local_world)
+            object.__setattr__(self, "_snap", snap if snap.active else False)
+        elif self._snap:
+            self._snap.moved(*_rank_world())  # run_elastic: a new generation may renumber ranks
+        return self._snap or None
+
     def commit(self) -> None:
-        """Snapshot everything in memory; the point ``rollback`` returns to."""
-        object.__setattr__(self, "_commit", self._capture())
+        """Snapshot everything: the point ``rollback`` returns to, and with snapshot tiers the
+        step ``restore`` finds after a restart. Blocks only while the previous snapshot is
+        still being checksummed or written to disk."""
+        snap = self._snapshotter()
+        object.__setattr__(self, "_commits", self._commits + 1)
+        if snap is None:
+            object.__setattr__(self, "_commit", self._capture())
+            return
+        values = copy.deepcopy(self._values)
+        step = int(values.get("step", self._commits))
+        snap.commit({"objects": {n: o.state_dict() for n, o in self._objects.items()},
+                     "values": values}, step)
+        object.__setattr__(self, "_commit", _LAZY)
+        object.__setattr__(self, "_commit_values", values)
+
+    def flush(self) -> None:
+        """Wait until the last commit is checksummed and (when due) written to disk."""
+        snap = self._snapshotter()
+        if snap is not None:
+            snap.wait()
+
+    def restore(self) -> Optional[int]:
+        """Load the newest step every rank holds whole in some snapshot tier; that step, or None
+        (nothing to restore: a first start, or no tier configured). With WORLD_SIZE > 1 call it
+        after ``init_process_group``: the ranks agree on the step over the default group."""
+        snap = self._snapshotter()
+        if snap is None:
+            return None
+        got = snap.restore()
+        if got is None:
+            return None
+        from ..snapshot.worker import clone_tree
+
+        self._check_names(got.state, "the snapshot")
+        import torch
+
+        for name, obj in self._objects.items():
+            part = got.state["objects"][name]
+            if not isinstance(obj, torch.nn.Module):  # modules copy in; others keep references
+                part = clone_tree(part, lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
+            obj.load_state_dict(part)
+        values = got.state["values"]
+        self._values.clear()
+        self._values.update(copy.deepcopy(values))
+        object.__setattr__(self, "_commit", _LAZY)
+        object.__setattr__(self, "_commit_values", values)
+        return got.step
+
+    def _last_commit(self) -> Any:
+        """The last commit as a dict (decoded from the snapshot buffer, fresh tensors)."""
+        if self._commit is _LAZY:
+            last = self._snap.last()
+            assert last is not None
+            return last[1]
+        return self._commit
 
     @property
     def committed(self) -> bool:
@@ -100,7 +203,8 @@ class State:
         who holds the newest state."""
         if self._commit is None:
             return -1
-        return int(self._commit["values"].get(key, 0))
+        values = self._commit_values if self._commit is _LAZY else self._commit["values"]
+        return int(values.get(key, 0))
 
     def rollback(self) -> None:
         """Restore the last commit. The commit itself stays untouched (a deep copy is loaded:
@@ -108,11 +212,17 @@ class State:
         if self._commit is None:
             raise StateError("rollback() before any commit(); call state.commit() once the "
                              "state is initialized")
-        snap = copy.deepcopy(self._commit)
+        snap = copy.deepcopy(self._commit) if self._commit is not _LAZY else self._last_commit()
         for name, obj in self._objects.items():
             obj.load_state_dict(snap["objects"][name])
         self._values.clear()
         self._values.update(snap["values"])
+
+    def _check_names(self, snap: Any, whose: str) -> None:
+        missing = (set(self._objects) - set(snap["objects"])) | (set(self._values) - set(snap["values"]))
+        if missing:
+            raise StateError(f"{whose} lacks {sorted(missing)}; every rank must register "
+                             "the same State entries")
 
     # -- travelling -------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -122,7 +232,7 @@ class State:
         buf = io.BytesIO()
         import torch
 
-        torch.save(self._commit, buf)
+        torch.save(self._last_commit(), buf)
         return buf.getvalue()
 
     def load_bytes(self, data: bytes) -> None:
@@ -130,12 +240,21 @@ class State:
         import torch
 
         snap = torch.load(io.BytesIO(data), weights_only=True)
-        missing = (set(self._objects) - set(snap["objects"])) | (set(self._values) - set(snap["values"]))
-        if missing:
-            raise StateError(f"the peer's state lacks {sorted(missing)}; every rank must register "
-                             "the same State entries")
+        self._check_names(snap, "the peer's state")
         object.__setattr__(self, "_commit", snap)
         self.rollback()
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names)}; committed={self.committed})"
+
+
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and world size: the default group's, else torchrun's environment."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover
+        pass
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -6,8 +6,9 @@ prometheus-client) load on first use.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
 
 from .worker import ENV_PATH, StepTimer, checkpoint, enabled, step, step_timer
 
@@ -16,31 +17,24 @@ _LAZY = {
     "Event": ".events", "EventLog": ".events", "EventLogError": ".events",
     "event_log_path": ".events", "iter_events": ".events", "read_events": ".events",
     "BoundedLabel": ".labels", "exit_detail": ".labels",
-    "PrometheusError": ".promserver", "PrometheusNotInstalled": ".promserver",
-    "PrometheusServer": ".promserver",
     "MetricsServer": ".server", "MetricsServerError": ".server",
     "StepsBlockError": ".steps", "StepTotals": ".steps", "WorkerStepsBlock": ".steps",
     "goodput": ".steps", "totals": ".steps",
     "Telemetry": ".telemetry", "TelemetryError": ".telemetry",
 }
 
+_MOVED = ("PrometheusError", "PrometheusNotInstalled", "PrometheusServer")
+
 __all__ = sorted([*_LAZY, "ENV_PATH", "StepTimer", "checkpoint", "enabled", "step", "step_timer"])
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _LAZY, dict.fromkeys(_MOVED, "elastictk.testing.prometheus"))
 
 
 if TYPE_CHECKING:
     from .agent_metrics import AgentMetrics
     from .events import Event, EventLog, EventLogError, event_log_path, iter_events, read_events
     from .labels import BoundedLabel, exit_detail
-    from .promserver import PrometheusError, PrometheusNotInstalled, PrometheusServer
     from .server import MetricsServer, MetricsServerError
     from .steps import StepsBlockError, StepTotals, WorkerStepsBlock, goodput, totals
     from .telemetry import Telemetry, TelemetryError

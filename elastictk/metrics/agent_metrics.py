@@ -3,8 +3,9 @@
 It is an ``on_event(kind, **fields)`` sink, like the event log, so the agent knows nothing
 about Prometheus: every transition the agent reports updates counters, gauges and histograms
 on a registry that belongs to this agent alone (never prometheus-client's global default, so
-two agents in one process, or a test, never share series). Unknown event kinds and extra
-fields are accepted and ignored, so the agent can report more than this module knows.
+two agents in one process, or a test, never share series). Every :class:`EventKind` is either
+handled or listed as deliberately ignored (``HANDLED``); kinds that are no member and extra
+fields are counted in ``elastictk_events_total`` and otherwise ignored, never an error.
 
 Worker progress (steps, step time, goodput) comes from a
 :class:`~elastictk.metrics.steps.WorkerStepsBlock`, read when Prometheus scrapes.
@@ -26,6 +27,7 @@ from .labels import (
     LOST_NODE, MEMBERSHIP_CAUSES, STORE_LOST, TIMER_EXPIRED, BoundedLabel,
     exit_detail, membership_cause, sanitize,
 )
+from .kinds import EventKind
 from .layout import STEP_BUCKETS
 from .steps import StepTotals, WorkerStepsBlock, goodput, totals
 
@@ -33,11 +35,17 @@ log = logging.getLogger("elastictk.metrics")
 
 BASE = ("job", "node", "role")
 STATES = ("rendezvous", "running", "recovering", "succeeded", "failed", "signalled")
-KNOWN_KINDS = (
-    "rendezvous_started", "round_joined", "workers_started", "workers_stopped", "worker_failed",
-    "peer_failed", "membership_changed", "timer_expired", "restart", "scale_up", "scale_down",
-    "job_failed", "job_finished", "job_finished_elsewhere", "signalled", "store_lost",
-)
+KNOWN_KINDS = tuple(k.value for k in EventKind)  # always their own ``kind`` label value
+# Kinds that change no metric but elastictk_events_total: the in-place details (a recovery's
+# failure and the restart that may follow are their own events), kept workers (still running),
+# and leaving the exit barrier (job_finished follows).
+IGNORED = frozenset({
+    EventKind.WORKERS_KEPT, EventKind.WORKER_FROZEN, EventKind.INPLACE_RECOVERY, EventKind.INPLACE_RECOVERED,
+    EventKind.HANG_DETECTED,  # the kill that follows is a worker_failed
+    EventKind.INPLACE_RESIZED, EventKind.INPLACE_FALLBACK, EventKind.EXIT_BARRIER_LEFT,
+    EventKind.HEALTH_CHECK_FAILED,  # counted in events_total{kind=}; the node is not in a round
+    EventKind.SPARE_WAITING,  # counted in events_total{kind=}; a spare is not in a round
+})
 RENDEZVOUS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
@@ -97,6 +105,11 @@ class AgentMetrics:
         self.events = Counter("elastictk_events", "Events the agent reported, by kind.", b + ["kind"], registry=r)
         self.start_time = Gauge("elastictk_start_time_seconds", "Unix time the workers first started.",
                                 b, registry=r)
+        self.straggler = Gauge("elastictk_straggler_slowdown", "How many times slower than the "
+                               "others' median the rank last flagged as a straggler on a node is "
+                               "(its own time per step; set by the round's leader, reset when "
+                               "workers start).", b + ["straggler_node"], registry=r)
+        self._straggler_node = BoundedLabel(16)
         self.remaining: Gauge | None = None
         if max_restarts is not None:
             Gauge("elastictk_max_restarts", "The restart budget (--max-restarts).", b,
@@ -117,24 +130,31 @@ class AgentMetrics:
         self._set_state("rendezvous")
         if steps is not None:
             registry.register(_StepsCollector(self, steps))
-        self._handlers: Mapping[str, Callable[[float, dict[str, Any]], None]] = {
-            "rendezvous_started": self._rendezvous_started, "round_joined": self._round_joined,
-            "workers_started": self._workers_started, "workers_stopped": self._workers_stopped,
-            "worker_failed": self._worker_failed, "peer_failed": self._peer_failed,
-            "membership_changed": self._membership_changed, "timer_expired": self._timer_expired,
-            "restart": self._restart, "job_failed": self._job_failed,
-            "job_finished": self._job_finished, "job_finished_elsewhere": self._job_finished,
-            "signalled": self._signalled, "store_lost": self._job_failed,
+        K = EventKind
+        handlers: dict[EventKind, Callable[[float, dict[str, Any]], None]] = {
+            K.RENDEZVOUS_STARTED: self._rendezvous_started, K.ROUND_JOINED: self._round_joined,
+            K.WORKERS_STARTED: self._workers_started, K.WORKERS_STOPPED: self._workers_stopped,
+            K.WORKER_FAILED: self._worker_failed, K.PEER_FAILED: self._peer_failed,
+            K.MEMBERSHIP_CHANGED: self._membership_changed, K.TIMER_EXPIRED: self._timer_expired,
+            K.RESTART: self._restart, K.JOB_FAILED: self._job_failed,
+            K.JOB_FINISHED: self._job_finished, K.JOB_FINISHED_ELSEWHERE: self._ended_elsewhere,
+            K.SIGNALLED: self._signalled, K.STORE_LOST: self._job_failed,
+            K.RENDEZVOUS_FAILED: self._job_failed, K.STRAGGLER: self._straggler,
         }
+        # Every kind, handled or (None) deliberately ignored: a new member must be placed here.
+        self._handlers: Mapping[EventKind, Callable[[float, dict[str, Any]], None] | None] = {
+            kind: None if kind in IGNORED else handlers[kind] for kind in EventKind}
 
     # -- the sink -------------------------------------------------------------------------------
-    def __call__(self, kind: str, **fields: Any) -> None:
-        """Record one event; never raises (a metrics bug must not stop a training job)."""
+    def __call__(self, kind: EventKind | str, **fields: Any) -> None:
+        """Record one event; never raises (a metrics bug must not stop a training job).
+        ``kind`` is an :class:`EventKind`; another string is counted, and otherwise ignored."""
         try:
             now = self._clock()
             with self._lock:
                 self.events.labels(*self.labels, self._kind(kind)).inc()
-                handler = self._handlers.get(kind)
+                member = _member(kind)
+                handler = None if member is None else self._handlers[member]
                 if handler is not None:
                     handler(now, fields)
         except Exception:
@@ -189,8 +209,15 @@ class AgentMetrics:
         self._remaining(f.get("restart_count"))
         self._set_world(f)
         self._timer_scopes.clear()
+        self.straggler.clear()
         self._attempt_open = True
         self._set_state("running")
+
+    def _straggler(self, now: float, f: dict[str, Any]) -> None:
+        slowdown = f.get("slowdown")
+        if isinstance(slowdown, (int, float)):
+            node = self._straggler_node(str(f.get("straggler_node", "unknown")))
+            self.straggler.labels(*self.labels, node).set(float(slowdown))
 
     def _workers_stopped(self, now: float, f: dict[str, Any]) -> None:
         self.running.labels(*self.labels).set(0)
@@ -248,6 +275,13 @@ class AgentMetrics:
         self._end_attempt(now)
         self._finish(now, "failed")
 
+    def _ended_elsewhere(self, now: float, f: dict[str, Any]) -> None:
+        """The job ended before this node ran anything: its state is the job's outcome."""
+        if f.get("succeeded", True):
+            self._job_finished(now, f)
+        else:
+            self._job_failed(now, f)
+
     def _job_finished(self, now: float, f: dict[str, Any]) -> None:
         self.running.labels(*self.labels).set(0)
         self._attempt_open = False  # finished work is never lost
@@ -293,6 +327,13 @@ class AgentMetrics:
     def _set_state(self, state: str) -> None:
         for s in STATES:
             self.state.labels(*self.labels, s).set(1 if s == state else 0)
+
+
+def _member(kind: EventKind | str) -> EventKind | None:
+    try:
+        return EventKind(kind)
+    except (ValueError, TypeError):
+        return None
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

@@ -8,9 +8,10 @@
 
 ``mono`` (``CLOCK_MONOTONIC``) orders and subtracts events of one host exactly; ``wall`` is for
 people and for lining up hosts. Fields sit under ``"fields"`` so no field can shadow the
-envelope. The file is opened ``O_APPEND`` and each line is one ``write()``: lines are flushed
-as they happen, never overwritten by a later attempt or run, and two agents appending to one
-file interleave whole lines.
+envelope. The file is created mode 0600 (its directory, if made here, 0700) and opened
+``O_APPEND``, and each line is one ``write()``: lines are flushed as they happen, never
+overwritten by a later attempt or run, and two agents appending to one file interleave whole
+lines.
 
 The default place is ``<log_dir>/<run_id>/events.jsonl``, beside the attempt logs. That
 directory is claimed when the first workers start, so an ``EventLog()`` without a path keeps
@@ -109,7 +110,7 @@ class EventLog:
         return self._path
 
     def attach(self, path: str | os.PathLike[str]) -> Path:
-        """Start writing to ``path`` (parents created), first the events held so far.
+        """Start writing to ``path`` (parents created mode 0700), first the events held so far.
 
         A log that is already attached keeps its file; the call then returns it unchanged.
         """
@@ -121,8 +122,8 @@ class EventLog:
                 return self._path
             target = Path(path)
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(target, _FLAGS, 0o644)
+                os.makedirs(target.parent, mode=0o700, exist_ok=True)
+                fd = os.open(target, _FLAGS, 0o600)  # the log names hosts, pids and paths
             except OSError as e:
                 raise EventLogError(f"cannot write event log {target}: {e.strerror or e}; "
                                     "pass a writable --event-log path or --log-dir") from None
@@ -214,8 +215,9 @@ def _event(record: Mapping[str, Any]) -> Event:
 def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
     """The events of a log in file order.
 
-    A last line without its newline (the writer was killed mid-line) is skipped; any other
-    line that is not an event raises :class:`EventLogError` naming the file and line.
+    A last line without its newline that is not an event (its writer was killed mid-line) is
+    skipped with one warning on the ``elastictk.metrics`` logger; any other line that is not an
+    event raises :class:`EventLogError` naming the file and line.
     """
     p = Path(path)
     try:
@@ -232,8 +234,10 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
                 if not isinstance(record, dict) or "kind" not in record:
                     raise ValueError("no 'kind'")
                 event = _event(record)
-            except (ValueError, TypeError, KeyError) as e:
-                if not complete:
+            except (ValueError, TypeError, KeyError, RecursionError) as e:
+                if not complete:  # only the last line can lack its newline
+                    log.warning("event log %s:%d: skipped a torn last line (%d bytes without a newline: "
+                                "its writer was killed mid-line)", p, number, len(raw))
                     return
                 raise EventLogError(f"{p}:{number}: not an elastictk event ({e}); "
                                     "is this an events.jsonl file?") from None

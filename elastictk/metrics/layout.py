@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = 0x6574_6B5F_7374_6570  # "etk_step"
-VERSION = 1
+VERSION = 2  # 2: the straggler words (BLOCKED_SECONDS, BUSY_STEPS, BUSY_SECONDS)
 WORD = 8
 HEADER_WORDS = 16
 SLOT_WORDS = 64
@@ -42,16 +42,23 @@ LOST_STEPS = 10  # steps of earlier processes that no checkpoint covered
 LOST_SECONDS = 11  # D: their step time
 CHECKPOINTS = 12  # checkpoints reported, every process
 LAST_STEP_WALL = 13  # D: wall-clock time of the latest step (for "no progress" alerts)
+LAST_STEP_MONO = 14  # D: CLOCK_MONOTONIC of the latest step (the agent's progress watchdog)
 BUCKET0 = 16  # BUCKETS words: per-bucket (not cumulative) counts of timed steps
+# The straggler signal (elastictk/agent/stragglers.py), every process: time blocked inside
+# Python collectives, and each timed step's own time (its duration less the time it was blocked).
+BLOCKED_SECONDS = 33  # D: seconds inside torch.distributed calls made from Python
+BUSY_STEPS = 34  # timed steps that added to BUSY_SECONDS
+BUSY_SECONDS = 35  # D: their duration less the time blocked in collectives during them
 
-DOUBLES = frozenset({SECONDS, PROC_SECONDS, CKPT_SECONDS, LOST_SECONDS, LAST_STEP_WALL})
+DOUBLES = frozenset({SECONDS, PROC_SECONDS, CKPT_SECONDS, LOST_SECONDS, LAST_STEP_WALL, LAST_STEP_MONO,
+                     BLOCKED_SECONDS, BUSY_SECONDS})
 
 # Upper bounds (seconds) of the step-duration histogram; the last bucket is +Inf.
 STEP_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
 BUCKETS = len(STEP_BUCKETS) + 1
-assert BUCKET0 + BUCKETS <= SLOT_WORDS
+assert BUCKET0 + BUCKETS <= BLOCKED_SECONDS and BUSY_SECONDS < SLOT_WORDS
 
 
 def block_size(slots: int) -> int:
@@ -86,7 +93,11 @@ class SlotSnapshot:
     lost_seconds: float = 0.0
     checkpoints: int = 0
     last_step_wall: float = 0.0
+    last_step_mono: float = 0.0  # time.monotonic() of the latest step: one clock per host
     buckets: tuple[int, ...] = (0,) * BUCKETS
+    blocked_seconds: float = 0.0
+    busy_steps: int = 0
+    busy_seconds: float = 0.0
 
     @property
     def used(self) -> bool:
@@ -109,7 +120,7 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
     deadline = None
     while True:
         before = q[base + SEQ]
-        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(BUCKET0 + BUCKETS)]
+        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(BUSY_SECONDS + 1)]
         if before % 2 == 0 and q[base + SEQ] == before:
             break
         now = time.monotonic()
@@ -124,6 +135,8 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
         proc_seconds=words[PROC_SECONDS], ckpt_steps=words[CKPT_STEPS],
         ckpt_seconds=words[CKPT_SECONDS], lost_steps=words[LOST_STEPS],
         lost_seconds=words[LOST_SECONDS], checkpoints=words[CHECKPOINTS],
-        last_step_wall=words[LAST_STEP_WALL],
+        last_step_wall=words[LAST_STEP_WALL], last_step_mono=words[LAST_STEP_MONO],
         buckets=tuple(int(w) for w in words[BUCKET0:BUCKET0 + BUCKETS]),
+        blocked_seconds=words[BLOCKED_SECONDS], busy_steps=words[BUSY_STEPS],
+        busy_seconds=words[BUSY_SECONDS],
     )

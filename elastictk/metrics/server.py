@@ -1,69 +1,93 @@
-"""``MetricsServer``: one registry served at ``/metrics`` over HTTP, with a clean shutdown.
+"""``MetricsServer``: one registry served at ``/metrics`` over HTTP, with a shutdown no client can stall.
 
 prometheus-client's own ``start_http_server`` serves a registry well but leaves daemon request
-threads (and their sockets) behind when shut down; this server uses its WSGI app on a threaded
-``wsgiref`` server whose :meth:`MetricsServer.close` stops accepting, joins the serving thread
-and every request thread (a client that stalls is dropped after ``request_timeout``), and
-closes the listening socket. Port 0 binds a free port; :attr:`MetricsServer.port` says which.
+threads (and their sockets) behind when shut down, and ``wsgiref``'s server lets a client that
+sends one byte now and then hold a request thread, and so ``close()``, for as long as it likes.
+This server runs prometheus-client's WSGI app behind a small HTTP/1.1 front end of its own
+(one request per connection, ``Connection: close``):
+
+- a per-request deadline: a client that has not sent its whole request within
+  ``request_timeout`` seconds of connecting is dropped, however it trickles bytes in; a client
+  that does not read its response is dropped ``request_timeout`` seconds into sending it;
+- a cap on concurrent connections: past ``max_connections`` a new connection is closed at once;
+- :meth:`MetricsServer.close` stops accepting, shuts every open connection down (which wakes
+  its thread at once, whatever the client does), joins the threads and returns within
+  :data:`CLOSE_WAIT` seconds.
+
+Port 0 binds a free port; :attr:`MetricsServer.port` says which.
 """
 from __future__ import annotations
 
+import io
 import logging
+import os
+import selectors
 import socket
+import sys
 import threading
-from socketserver import ThreadingMixIn
+import time
 from types import TracebackType
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Callable, Iterable, Optional
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 log = logging.getLogger("elastictk.metrics")
+
+MAX_REQUEST_BYTES = 16 * 1024
+"""The most a request line and its headers may take; a longer request is dropped."""
+CLOSE_WAIT = 0.8
+"""The longest :meth:`MetricsServer.close` waits for request threads once their sockets are shut."""
+DEFAULT_MAX_CONNECTIONS = 16
+
+_App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 class MetricsServerError(RuntimeError):
     """The exporter could not bind; the message names the address and the fix."""
 
 
-class _Handler(WSGIRequestHandler):
-    timeout = 10.0  # a client that sends nothing is dropped, so close() never waits on it
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("metrics http: " + format, *args)
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = False
-    block_on_close = True  # server_close() joins the request threads
-    allow_reuse_address = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
 class MetricsServer:
     """``with MetricsServer(registry, port=0) as srv: print(srv.url)``; starts serving at once."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
-                 request_timeout: float = 10.0) -> None:
+                 request_timeout: float = 10.0, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise MetricsServerError(f"metrics port {port!r}: use 0 (any free port) to 65535")
-        app = make_wsgi_app(registry)
-        handler = type("Handler", (_Handler,), {"timeout": request_timeout})
-        server_class = _Server6 if ":" in host else _Server
+        if not request_timeout > 0:
+            raise MetricsServerError(f"metrics request timeout {request_timeout!r}: use a number of seconds > 0")
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise MetricsServerError(f"metrics max_connections {max_connections!r}: use 1 or more")
+        self._app: _App = make_wsgi_app(registry)
+        self.request_timeout = float(request_timeout)
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._server = make_server(host, port, app, server_class=server_class, handler_class=handler)
+            listener = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
+            raise MetricsServerError(f"cannot serve metrics on {_hostport(host, port)}: {e.strerror or e}; "
+                                     "pick another --metrics-host") from None
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(64, 2 * max_connections))
+            listener.setblocking(False)
+        except OSError as e:
+            listener.close()
             raise MetricsServerError(
                 f"cannot serve metrics on {_hostport(host, port)}: {e.strerror or e}; "
                 "pick another --metrics-port (0 picks a free one) or --metrics-host") from None
+        self._listener = listener
         self.host = host
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name=f"elastictk-metrics-{self.port}", daemon=True)
-        self._thread.start()
+        self.port = int(listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._closed = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"elastictk-metrics-{self.port}",
+                                        daemon=True)
+        self._thread.start()
         log.info("serving Prometheus metrics at %s", self.url)
 
     @property
@@ -75,14 +99,149 @@ class MetricsServer:
         """``host:port``, as a Prometheus scrape config names it."""
         return _hostport(self.host, self.port)
 
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (never more than ``max_connections``)."""
+        with self._lock:
+            return len(self._conns)
+
+    # -- accepting -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._closed:
+                for key, _ in sel.select():
+                    if key.fileobj is self._listener:
+                        self._accept_all()
+        finally:
+            sel.close()
+
+    def _accept_all(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of fds, say: do not spin on a listener that stays readable
+                log.debug("metrics http: accept failed: %s", e)
+                time.sleep(0.05)
+                return
+            with self._lock:
+                refuse = self._closed or len(self._conns) >= self.max_connections
+                if not refuse:
+                    t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                         name=f"elastictk-metrics-{self.port}-conn")
+                    try:
+                        t.start()  # under the lock: close() never sees a thread it cannot join
+                    except RuntimeError as e:  # no thread to be had: drop this client
+                        log.debug("metrics http: cannot start a request thread: %s", e)
+                        refuse = True
+                    else:
+                        self._conns.add(conn)
+                        self._threads.add(t)
+            if refuse:
+                log.debug("metrics http: %d connections open, closing a new one", self.max_connections)
+                conn.close()
+
+    # -- one connection ------------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            request = self._read_request(conn, time.monotonic() + self.request_timeout)
+            if request is not None:
+                conn.settimeout(self.request_timeout)  # the whole sendall, not each send (3.5+)
+                conn.sendall(self._respond(request))
+                conn.shutdown(socket.SHUT_WR)
+        except OSError as e:  # a client gone, too slow to read, or shut down by close()
+            log.debug("metrics http: connection dropped: %s", e)
+        except Exception:  # noqa: BLE001 - a broken collector must not kill the server
+            log.exception("metrics http: request failed")
+        finally:
+            with self._lock:  # removed before closing: close() shuts down only live sockets
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _read_request(self, conn: socket.socket, deadline: float) -> Optional[bytes]:
+        """The request head, or None for a client that closed, trickled past ``deadline`` or sent
+        too much."""
+        buf = b""
+        while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or len(buf) > MAX_REQUEST_BYTES:
+                log.debug("metrics http: dropped a client that sent no whole request within %gs",
+                          self.request_timeout)
+                return None
+            conn.settimeout(remaining)
+            try:
+                chunk = conn.recv(4096)
+            except TimeoutError:
+                continue  # the deadline check above drops it
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    def _respond(self, head: bytes) -> bytes:
+        lines = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0].decode("latin-1").split("\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _response("400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n")
+        method, target, version = parts
+        path, _, query = target.partition("?")
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": method, "PATH_INFO": unquote(path), "QUERY_STRING": query,
+            "SERVER_PROTOCOL": version, "SERVER_NAME": self.host, "SERVER_PORT": str(self.port),
+            "SCRIPT_NAME": "", "wsgi.input": io.BytesIO(), "wsgi.errors": sys.stderr,
+            "wsgi.url_scheme": "http", "wsgi.version": (1, 0), "wsgi.multithread": True,
+            "wsgi.multiprocess": False, "wsgi.run_once": False,
+        }
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep and name.strip():
+                environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
+        started: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            started[:] = [status, headers]
+
+        body = b"".join(self._app(environ, start_response))
+        status, headers = started
+        log.debug("metrics http: %s %s -> %s", method, target, status)
+        return _response(status, headers, b"" if method == "HEAD" else body)
+
+    # -- shutting down -------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop serving and release the thread and sockets; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._server.shutdown()  # returns once serve_forever has returned
-        self._server.server_close()  # closes the socket, joins request threads
-        self._thread.join(timeout=30)
+        """Stop serving and release the threads and sockets, within about :data:`CLOSE_WAIT`
+        seconds whatever clients do; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(CLOSE_WAIT)
+        self._listener.close()
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes a recv or sendall blocked on it at once
+                except OSError:
+                    pass
+            threads = list(self._threads)
+        deadline = time.monotonic() + CLOSE_WAIT
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t for t in threads if t.is_alive()]
+        if stuck:  # only a collector that hangs can get here; its daemon thread is left behind
+            log.warning("metrics server on %s: %d request thread(s) still busy after close",
+                        self.target, len(stuck))
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __enter__(self) -> "MetricsServer":
         return self
@@ -90,6 +249,13 @@ class MetricsServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    lines = [f"HTTP/1.1 {status}"]
+    lines += [f"{k}: {v}" for k, v in headers if k.lower() not in ("content-length", "connection")]
+    lines += [f"Content-Length: {len(body)}", "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 def _hostport(host: str, port: int) -> str:

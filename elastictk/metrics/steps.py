@@ -26,7 +26,7 @@ from .layout import (
     BUCKETS, H_BUCKETS, H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION, MAGIC, VERSION, SlotSnapshot,
     block_size, read_slot,
 )
-from .worker import ENV_PATH
+from .worker import ENV_HOOKS, ENV_PATH, HOOK
 
 MAX_WORKERS = 4096
 BACKINGS = ("memfd", "shm")
@@ -76,8 +76,12 @@ class WorkerStepsBlock:
 
     # -- for the agent ------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        """What every worker's environment needs (the slot is the worker's ``LOCAL_RANK``)."""
-        return {ENV_PATH: self.path}
+        """What every worker's environment needs (the slot is the worker's ``LOCAL_RANK``), and
+        :data:`~elastictk.metrics.worker.HOOK` added to the ``ELASTICTK_WORKER_HOOKS`` the
+        workers would otherwise get from this process, so scripts that never call ``step()``
+        are counted by their optimizer steps."""
+        names = [n for n in os.environ.get(ENV_HOOKS, "").split(",") if n.strip()]
+        return {ENV_PATH: self.path, ENV_HOOKS: ",".join(names if HOOK in names else [*names, HOOK])}
 
     @property
     def closed(self) -> bool:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from .agent_metrics import AgentMetrics
 from .events import EventLog, EventLogError
+from .kinds import EventKind
 from .server import MetricsServer, MetricsServerError
 from .steps import StepsBlockError, WorkerStepsBlock
 
@@ -82,8 +83,9 @@ class Telemetry:
                    metrics_port=config.metrics_port, metrics_host=config.metrics_host,
                    event_log=config.event_log)
 
-    def on_event(self, kind: str, **fields: Any) -> None:
-        """The agent's ``on_event``: records to the event log, then the metrics; never raises."""
+    def on_event(self, kind: EventKind, **fields: Any) -> None:
+        """The agent's ``on_event`` (an :class:`~elastictk.metrics.kinds.Emit`): records to the
+        event log, then the metrics; never raises."""
         if self.events is not None:
             self.events(kind, **fields)
         if self.metrics is not None:

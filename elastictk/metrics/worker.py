@@ -20,22 +20,59 @@ Usage::
 
 One training process per local rank reports; a process forked from a reporting worker (a data
 loader worker, say) does not, and threads of one worker must not report concurrently.
+
+Scripts that never call ``step()`` are counted too: the steps block names this module in
+``ELASTICTK_WORKER_HOOKS`` (see :meth:`~elastictk.metrics.steps.WorkerStepsBlock.env`), so every
+worker runs :func:`activate_from_env` at start, which registers torch's global optimizer step
+hook once ``torch.optim`` loads (never importing torch itself): each ``optimizer.step()`` of
+one optimizer (the first to step) is a step, timed since the previous one. ``run_elastic``
+reports each step it runs (:func:`on_loop_step`). Precedence, highest first: the script's own
+``step()``/``step_timer()``, ``run_elastic``, the optimizer hook; when a higher source reports
+for the first time, the steps the lower one counted in this process are taken back, so no step
+counts twice.
+
+The straggler signal (``ELASTICTK_STEPS_COLLECTIVES=1``, set by the agent under
+``--straggler-action``): the ``torch.distributed`` calls made from Python are wrapped to add the
+time spent inside them to a per-process total, and each timed step adds its duration less the
+time it was blocked in them (its *own* time: data, forward, backward, a slow fault's sleep) to
+the slot. The rank the others wait for blocks least; see ``elastictk/agent/stragglers.py``.
+DDP's gradient all-reduces run in C++ inside ``backward()``, so once a
+``DistributedDataParallel`` module has run a forward in this process, ``torch.autograd.backward``
+counts as blocked as a whole: a rank slow before it (data, forward, a stall) is seen, one slow
+inside backward's own compute is not.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import mmap
 import os
 import sys
+import threading
 import time
-from types import TracebackType
+import weakref
+from types import ModuleType, TracebackType
+from typing import Any, Mapping, Optional
 
+from .._onimport import OnImport
 from .layout import (
-    BUCKET0, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH, H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
-    LAST_STEP_WALL, LOST_SECONDS, LOST_STEPS, MAGIC, OWNER, PROC_SECONDS, PROC_STEPS, SECONDS,
+    BLOCKED_SECONDS, BUCKET0, BUSY_SECONDS, BUSY_STEPS, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH,
+    H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
+    LAST_STEP_MONO, LAST_STEP_WALL, LOST_SECONDS, LOST_STEPS, MAGIC, OWNER, PROC_SECONDS, PROC_STEPS, SECONDS,
     SEQ, STEPS, TIMED, VERSION, block_size, bucket_index, slot_base,
 )
 
 ENV_PATH = "ELASTICTK_METRICS_SHM"
+ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"
+ENV_STACKS = "ELASTICTK_PROGRESS_STACKS"  # "1": attach the timer region at start (stack dumps)
+ENV_COLLECTIVES = "ELASTICTK_STEPS_COLLECTIVES"  # "1": time blocked in collectives (stragglers)
+C10D = "torch.distributed.distributed_c10d"
+DDP = "torch.nn.parallel.distributed"
+HOOK = "elastictk.metrics.worker"
+OPTIM = "torch.optim.optimizer"
+AUTO, LOOP, USER = 1, 2, 3  # step sources, lowest first
+ROLLBACK_MAX = 64  # lower-source steps remembered for taking back
 
 _UNKNOWN, _ENABLED, _DISABLED = 0, 1, 2
 
@@ -43,7 +80,7 @@ _UNKNOWN, _ENABLED, _DISABLED = 0, 1, 2
 class _Slot:
     """This process's slot in the block; the only writer of it while the process lives."""
 
-    __slots__ = ("_mm", "q", "d", "b", "last")
+    __slots__ = ("_mm", "q", "d", "b", "last", "mark")
 
     def __init__(self, path: str, slot: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -61,6 +98,7 @@ class _Slot:
             raise ValueError(f"LOCAL_RANK {slot} has no slot in {path} ({q[H_SLOTS]} slots)")
         self.q, self.d, self.b = q, d, slot_base(slot)
         self.last: float | None = None
+        self.mark = _blocked  # the process's blocked total at its previous step
         self._attach()
 
     def _attach(self) -> None:
@@ -89,7 +127,37 @@ class _Slot:
             d[b + SECONDS] += seconds
             d[b + PROC_SECONDS] += seconds
             q[b + BUCKET0 + bucket_index(seconds)] += 1
+        blocked, self.mark = _blocked - self.mark, _blocked
+        if blocked:
+            d[b + BLOCKED_SECONDS] += blocked
+        if seconds is not None:
+            q[b + BUSY_STEPS] += 1
+            d[b + BUSY_SECONDS] += max(0.0, seconds - blocked)
         d[b + LAST_STEP_WALL] = time.time()
+        d[b + LAST_STEP_MONO] = time.monotonic()
+        q[b + SEQ] += 1
+
+    def unrecord(self, seconds: float | None) -> None:
+        """Take back one step :meth:`record` counted (a higher step source took over)."""
+        q, d, b = self.q, self.d, self.b
+        q[b + SEQ] += 1
+        if q[b + STEPS] and q[b + PROC_STEPS]:
+            q[b + STEPS] -= 1
+            q[b + PROC_STEPS] -= 1
+            if seconds is not None and q[b + TIMED]:
+                q[b + TIMED] -= 1
+                d[b + SECONDS] -= seconds
+                d[b + PROC_SECONDS] -= seconds
+                i = b + BUCKET0 + bucket_index(seconds)
+                q[i] = max(0, q[i] - 1)
+        q[b + SEQ] += 1
+
+    def finish(self) -> None:
+        """The script's main code has ended (atexit): from now on this rank makes no steps on
+        purpose, so the agent's progress watchdog stops judging it (teardown, a final save)."""
+        q, d, b = self.q, self.d, self.b
+        q[b + SEQ] += 1
+        d[b + LAST_STEP_MONO] = float("inf")
         q[b + SEQ] += 1
 
     def checkpoint(self) -> None:
@@ -103,6 +171,11 @@ class _Slot:
 
 _state = _UNKNOWN
 _slot: _Slot | None = None
+_level = 0  # the highest step source seen in this process
+_lower: list[float | None] | None = []  # what lower sources recorded (None: too many to undo)
+_blocked = 0.0  # seconds this process spent inside wrapped torch.distributed calls
+_depth = 0  # > 0 while inside one (a collective calling another counts once)
+_ddp_ran = False  # a DistributedDataParallel forward ran here: backward() holds its all-reduces
 
 
 def _open() -> _Slot | None:
@@ -114,6 +187,7 @@ def _open() -> _Slot | None:
     try:
         _slot = _Slot(path, int(os.environ.get("LOCAL_RANK", "0")))
         _state = _ENABLED
+        atexit.register(_finished)
     except (OSError, ValueError) as e:
         _state = _DISABLED
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -128,6 +202,11 @@ def _ready() -> _Slot | None:
     return _open()
 
 
+def _finished() -> None:
+    if _slot is not None:  # a forked child has none: only the slot's owner says it finished
+        _slot.finish()
+
+
 def step() -> None:
     """Count one finished training step; its duration is the time since the previous step.
 
@@ -137,9 +216,41 @@ def step() -> None:
     s = _slot if _slot is not None else _ready()
     if s is None:
         return
+    if _level != USER:
+        _outrank(s, USER)
     now = time.monotonic()
     s.record(None if s.last is None else now - s.last)
     s.last = now
+
+
+def _outrank(s: _Slot, level: int) -> None:
+    """Source ``level`` reports for the first time: lower sources' steps are taken back."""
+    global _level, _lower
+    if _lower:
+        for seconds in _lower:
+            s.unrecord(seconds)
+    _level, _lower = level, ([] if level < USER else None)
+
+
+def _auto(level: int) -> None:
+    """A step from a lower source (the optimizer hook, ``run_elastic``)."""
+    if _level > level:
+        return
+    s = _slot if _slot is not None else _ready()
+    if s is None:
+        return
+    if _level < level:
+        _outrank(s, level)
+    now = time.monotonic()
+    seconds = None if s.last is None else now - s.last
+    s.record(seconds)
+    s.last = now
+    lower = _lower
+    if lower is not None:
+        if len(lower) < ROLLBACK_MAX:
+            lower.append(seconds)
+        else:
+            globals()["_lower"] = None  # a script this far in without step() will not call it
 
 
 class StepTimer:
@@ -159,6 +270,8 @@ class StepTimer:
         s = _slot if _slot is not None else _ready()
         if s is None:
             return
+        if _level != USER:
+            _outrank(s, USER)
         now = time.monotonic()
         s.record(now - self._start)
         s.last = now
@@ -186,9 +299,181 @@ def enabled() -> bool:
 
 def _after_fork_in_child() -> None:
     """A child of a reporting worker is not the slot's owner; any other child decides afresh."""
-    global _state, _slot
+    global _state, _slot, _level, _lower
     _state = _DISABLED if _state == _ENABLED else _UNKNOWN
-    _slot = None
+    _slot, _level, _lower = None, 0, []
+
+
+# -- automatic steps: the optimizer hook and run_elastic ---------------------------------------
+_lock = threading.Lock()
+_handle: Any = None
+_pending: Optional[OnImport] = None
+_owner: Optional["weakref.ref[Any]"] = None
+
+
+def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Count optimizer steps when this worker reports to an agent (``ELASTICTK_METRICS_SHM``);
+    True if the hook is (or will be, once torch.optim loads) registered."""
+    global _pending
+    env = os.environ if environ is None else environ
+    if not env.get(ENV_PATH):
+        return False
+    if env.get(ENV_STACKS) == "1":  # the agent may ask for a stack dump without a timer
+        from ..timer.client import attach_from_env
+
+        attach_from_env()
+    with _lock:
+        module = sys.modules.get(OPTIM)
+        if module is not None and hasattr(module, "register_optimizer_step_post_hook"):
+            _register(module)
+        elif _pending is None:
+            _pending = OnImport(OPTIM, _register, _lock)
+            sys.meta_path.insert(0, _pending)
+    if env.get(ENV_COLLECTIVES) == "1":
+        time_collectives()
+    return True
+
+
+# -- time blocked in collectives (the straggler signal) ----------------------------------------
+_c10d_pending: Optional[OnImport] = None
+_ddp_pending: Optional[OnImport] = None
+_wrapped: list[tuple[Any, str, Any]] = []  # (namespace, name, original), for undoing
+
+
+def time_collectives() -> None:
+    """Count the time this process spends inside ``torch.distributed`` calls made from Python
+    (now, or the moment ``distributed_c10d`` finishes loading; torch is never imported here)."""
+    global _c10d_pending, _ddp_pending
+    with _lock:
+        module = sys.modules.get(C10D)
+        if module is not None and hasattr(module, "all_reduce"):
+            _wrap_c10d(module)
+        elif _c10d_pending is None:
+            _c10d_pending = OnImport(C10D, _wrap_c10d, _lock)
+            sys.meta_path.insert(0, _c10d_pending)
+        ddp = sys.modules.get(DDP)
+        if ddp is not None and hasattr(ddp, "DistributedDataParallel"):
+            _wrap_ddp(ddp)
+        elif _ddp_pending is None:
+            _ddp_pending = OnImport(DDP, _wrap_ddp, _lock)
+            sys.meta_path.insert(0, _ddp_pending)
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent inside the wrapped calls so far."""
+    return _blocked
+
+
+def _wrap_c10d(c10d: ModuleType) -> None:
+    global _c10d_pending
+    _c10d_pending = None
+    if _wrapped:
+        return
+    from ..timer.collectives import OPS
+
+    spaces = [c10d] + [m for m in (sys.modules.get("torch.distributed"),) if m is not None and m is not c10d]
+    for name in OPS:
+        fn = getattr(c10d, name, None)
+        if fn is None or not callable(fn):
+            continue
+        timed = _timed(fn)
+        for ns in spaces:
+            if getattr(ns, name, None) is fn:
+                setattr(ns, name, timed)
+                _wrapped.append((ns, name, fn))
+
+
+def _wrap_ddp(ddp: ModuleType) -> None:
+    """``DistributedDataParallel.forward`` notes that DDP runs here; ``torch.autograd.backward``
+    (``Tensor.backward`` calls it) counts as blocked from then on."""
+    global _ddp_pending
+    _ddp_pending = None
+    cls = getattr(ddp, "DistributedDataParallel", None)
+    autograd: Any = sys.modules.get("torch.autograd")
+    if cls is None or autograd is None or any(ns is cls for ns, _, _ in _wrapped):
+        return
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def ddp_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _ddp_ran
+        _ddp_ran = True
+        return forward(self, *args, **kwargs)
+
+    cls.forward = ddp_forward
+    _wrapped.append((cls, "forward", forward))
+    backward = autograd.backward
+    autograd.backward = _timed(backward, only_after_ddp=True)
+    _wrapped.append((autograd, "backward", backward))
+
+
+def _timed(fn: Any, only_after_ddp: bool = False) -> Any:
+    mono = time.monotonic
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        global _blocked, _depth
+        if _depth or (only_after_ddp and not _ddp_ran):
+            return fn(*args, **kwargs)
+        _depth += 1
+        start = mono()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _blocked += mono() - start
+            _depth -= 1
+    return call
+
+
+def untime_collectives() -> None:
+    """Put the original functions back (tests)."""
+    global _c10d_pending, _ddp_pending
+    with _lock:
+        for ns, name, fn in reversed(_wrapped):
+            if getattr(getattr(ns, name, None), "__wrapped__", None) is fn:
+                setattr(ns, name, fn)
+        _wrapped.clear()
+        for pending in (_c10d_pending, _ddp_pending):
+            if pending is not None:
+                with contextlib.suppress(ValueError):
+                    sys.meta_path.remove(pending)
+        _c10d_pending = _ddp_pending = None
+
+
+def deactivate() -> None:
+    """Remove the optimizer hook (tests, mostly)."""
+    global _handle, _pending, _owner
+    with _lock:
+        if _handle is not None:
+            _handle.remove()
+        if _pending is not None:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(_pending)
+        _handle = _pending = _owner = None
+
+
+def _register(module: ModuleType) -> None:
+    global _handle, _pending
+    _pending = None
+    if _handle is None:
+        _handle = module.register_optimizer_step_post_hook(_optimizer_stepped)
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _owner
+    owner = _owner() if _owner is not None else None
+    if owner is None:
+        with contextlib.suppress(TypeError):
+            _owner = weakref.ref(optimizer)
+        owner = optimizer
+    if owner is optimizer:
+        _auto(AUTO)
+
+
+def on_loop_step(step: int, *, rank: int, restart_count: int, finished: bool) -> None:
+    """``run_elastic``'s report: a step finished (``finished=True``) counts."""
+    if finished:
+        _auto(LOOP)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

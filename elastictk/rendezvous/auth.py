@@ -1,11 +1,14 @@
 """Who may join a job: records signed with the job-wide token (``--rdzv-token``).
 
-Every record that can change membership, ranks or the restart budget carries an HMAC-SHA256
-over its store key and its canonical JSON, keyed by the token. Binding the key means a record
-cannot be replayed elsewhere (an old slot into a new round, one node's note as another's).
-A node that does not know the token can still write bytes into a shared store, but nothing it
-writes is believed: its join record is ignored, its result or budget is rejected naming the
-key. Without a token nothing is signed and nothing is checked, as in torchrun.
+Every record that can change what a node does carries an HMAC-SHA256 keyed by the token over
+the job id, the run's nonce, its store key and its canonical JSON
+(:mod:`elastictk.rendezvous.sealed` writes and reads them all). Binding the key means a record
+cannot be replayed elsewhere (an old slot into a new round, one node's note as another's);
+binding the run's nonce (a random value the first node of a run stores, sealed, in the job's
+``auth`` key) means nothing captured from an earlier run with the same id and token is
+believed in a later one. A node that does not know the token can still write bytes into a
+shared store, but nothing it writes is believed: it reads as absent. Without a token nothing
+is signed and nothing is checked, as in torchrun.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from .errors import RendezvousAuthError
 
 MAC_FIELD = "mac"
 ALG = "hmac-sha256"
+CONTEXT = b"elastictk-seal/1"  # the MAC's domain: bumped if what it covers ever changes
 
 
 def canonical(body: dict[str, Any]) -> bytes:
@@ -27,10 +31,18 @@ def canonical(body: dict[str, Any]) -> bytes:
 
 
 class Signer:
-    """Signs and checks records for one job; ``Signer(None)`` signs nothing and accepts all."""
+    """Signs and checks records for one run of one job; ``Signer(None)`` signs nothing and
+    accepts all. ``job_id`` and ``run`` (the run's nonce) are covered by every MAC."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, job_id: str = "", run: str = "") -> None:
+        self._token = token or None
         self._key = token.encode() if token else None
+        self.job_id = job_id
+        self.run = run
+
+    def for_run(self, run: str) -> "Signer":
+        """The same token and job, for the run whose nonce is ``run``."""
+        return Signer(self._token, self.job_id, run)
 
     @property
     def enabled(self) -> bool:
@@ -38,7 +50,8 @@ class Signer:
 
     def mac(self, key: str, body: dict[str, Any]) -> str:
         assert self._key is not None
-        return hmac.new(self._key, key.encode() + b"\n" + canonical(body), hashlib.sha256).hexdigest()
+        msg = b"\n".join((CONTEXT, self.job_id.encode(), self.run.encode(), key.encode(), canonical(body)))
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def seal(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` with its MAC for store key ``key`` (unchanged without a token)."""
@@ -54,9 +67,10 @@ class Signer:
         """``body`` if its MAC is right, else :class:`RendezvousAuthError` naming the key."""
         if not self.verify(key, body):
             raise RendezvousAuthError(
-                f"store key {key!r} is not signed with this node's rendezvous token (forged, or "
-                "written by a node with another --rdzv-token): give every node the job's token "
-                "(ELASTICTK_RDZV_TOKEN) or use a fresh --rdzv-id"
+                f"store key {key!r} is not signed with this node's rendezvous token for this run "
+                "(forged, replayed from another run, or written by a node with another "
+                "--rdzv-token): give every node the job's token (ELASTICTK_RDZV_TOKEN) or use a "
+                "fresh --rdzv-id"
             )
         return body
 

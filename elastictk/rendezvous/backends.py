@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import psutil
 
@@ -71,12 +71,17 @@ def open_store(
     is_host: bool | None = None,
     timeout: float = 30.0,
     node_rank: int | None = None,
+    conf: Mapping[str, object] | None = None,
 ) -> StoreHandle:
-    """Open (or host) the job's store; errors are one line naming the endpoint and the fix."""
+    """Open (or host) the job's store; errors are one line naming the endpoint and the fix.
+
+    ``conf``: the ``--rdzv-conf`` values; etcd takes ``protocol``/``cacert``/``cert``/``key``.
+    """
     opener: dict[str, Callable[[], StoreHandle]] = {
         "c10d": lambda: _tcp(parse_endpoint(endpoint, DEFAULT_PORTS["c10d"]), is_host, timeout),
-        "static": lambda: _tcp(parse_endpoint(endpoint, DEFAULT_PORTS["static"]), node_rank == 0 if is_host is None else is_host, timeout),
-        "etcd": lambda: _etcd(endpoint, timeout),
+        "static": lambda: _tcp(parse_endpoint(endpoint, DEFAULT_PORTS["static"]),
+                               node_rank == 0 if is_host is None else is_host, timeout),
+        "etcd": lambda: _etcd(endpoint, timeout, conf or {}),
         "file": lambda: _file(endpoint, timeout),
     }
     if backend not in opener:
@@ -84,10 +89,15 @@ def open_store(
     return opener[backend]()
 
 
-def _etcd(endpoint: str, timeout: float) -> StoreHandle:
-    from ..store.etcd import EtcdStore
+def _etcd(endpoint: str, timeout: float, conf: Mapping[str, object]) -> StoreHandle:
+    from ..store.etcd import EtcdStore, tls_context
 
-    return StoreHandle(EtcdStore(endpoint.split(","), timeout=timeout), False, endpoint)
+    tls = None
+    if conf.get("protocol") == "https":  # over TLS, with the CA and client certificate given
+        cacert, cert, key = (None if conf.get(k) is None else str(conf[k])
+                             for k in ("cacert", "cert", "key"))
+        tls = tls_context(cacert, cert, key)
+    return StoreHandle(EtcdStore(endpoint.split(","), timeout=timeout, tls=tls), False, endpoint)
 
 
 def _file(path: str, timeout: float) -> StoreHandle:

@@ -7,7 +7,7 @@ crashes and late arrivals through the exact code the handler runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 from .config import RendezvousConfig
 from .records import Member, RoundResult
@@ -50,11 +50,20 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """The previous round runs full and whole: every arrival so far is a spare. Wait (with no
+    deadline: a spare may wait as long as the job runs) until slot ``wake_seq`` is written or a
+    member is seen dead, then decide again."""
+
+    wake_seq: int
+
+
+@dataclass(frozen=True)
 class Fail:
     reason: str
 
 
-Decision = Union[Close, Wait, Fail]
+Decision = Close | Wait | Hold | Fail
 
 
 def round_to_join(latest: int, latest_closed: bool) -> int:
@@ -114,6 +123,27 @@ def choose(live: Sequence[Arrival], previous: RoundResult | None, max_nodes: int
     return [a for a in live if a.node_id in chosen]
 
 
+def split(live: Sequence[Arrival], previous: RoundResult | None,
+          max_nodes: int) -> tuple[list[Arrival], list[Arrival]]:
+    """The round's members and its spares, each in arrival order: a node past ``max_nodes``
+    (after the previous round's members, who keep their places) waits as a spare, and the
+    spares are taken in the order they arrived when a place opens."""
+    chosen = {a.node_id for a in choose(live, previous, max_nodes)}
+    return [a for a in live if a.node_id in chosen], [a for a in live if a.node_id not in chosen]
+
+
+def held(view: RoundView, cfg: RendezvousConfig) -> bool:
+    """Whether the previous round still runs full: all of its ``max_nodes`` members alive and
+    none of them here. Whoever arrived is then a spare, and closing (or even counting down to
+    a close) would re-form a full job for nothing; the round opens for real once a member is
+    lost, leaves or comes back to re-form."""
+    prev = view.previous
+    if prev is None or prev.shutdown is not None or len(prev.members) < cfg.max_nodes:
+        return False
+    here = {a.node_id for a in view.arrivals}
+    return not any(m.node_id in view.dead or m.node_id in here for m in prev.members)
+
+
 def pending_previous(view: RoundView) -> list[str]:
     """Members of the previous round that are alive but have not arrived yet."""
     if view.previous is None:
@@ -130,10 +160,14 @@ def decide(view: RoundView, cfg: RendezvousConfig) -> Decision:
     - Live members of the previous round are waited for (bounded), so a node that is merely
       slower to stop its workers is not displaced by a newcomer.
     - With fewer than ``min_nodes`` after ``join_timeout``, the round fails.
+    - While the previous round runs full and whole, the arrivals are spares: :class:`Hold`
+      (the handler starts the round's clocks afresh once the hold ends).
     """
+    last_seq = max((a.seq for a in view.arrivals), default=0)
+    if held(view, cfg):
+        return Hold(last_seq + 1)
     live = eligible(view.arrivals, view.dead)
     pending = pending_previous(view)
-    last_seq = max((a.seq for a in view.arrivals), default=0)
     # Wake when enough new arrivals could have come to change the answer, not on each one.
     target = cfg.min_nodes if len(live) < cfg.min_nodes else cfg.max_nodes
     next_seq = last_seq + max(1, target - len(live))
@@ -151,5 +185,5 @@ def decide(view: RoundView, cfg: RendezvousConfig) -> Decision:
     if pending and view.now < prev_deadline:
         return Wait(prev_deadline, next_seq, min_at)
     if len(live) >= cfg.max_nodes or view.now >= min_at + cfg.last_call:
-        return Close(assign_ranks(choose(live, view.previous, cfg.max_nodes), view.previous))
+        return Close(assign_ranks(split(live, view.previous, cfg.max_nodes)[0], view.previous))
     return Wait(min_at + cfg.last_call, next_seq, min_at)

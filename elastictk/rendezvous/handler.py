@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ from typing import Any, Callable
 from ..store import PrefixStore, Store, StoreTimeout
 from .auth import ALG, Signer
 from .config import RendezvousConfig
-from .decide import Arrival, Close, Fail, RoundView, Wait, decide, round_to_join
-from .errors import RendezvousAuthError, RendezvousClosed, RendezvousTimeout
+from .decide import Arrival, Close, Fail, Hold, RoundView, Wait, decide, round_to_join
+from .errors import (
+    RendezvousAuthError, RendezvousClosed, RendezvousInterrupted, RendezvousStateError, RendezvousTimeout,
+)
 from .liveness import Heartbeat, LivenessTracker, read_counters
 from .records import (
     Member,
@@ -32,6 +35,7 @@ from .records import (
     round_key,
     slot_key,
 )
+from .sealed import Records, new_run_nonce, parse_counter
 
 log = logging.getLogger("elastictk.rendezvous")
 
@@ -56,6 +60,17 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+# The longest a waiting node takes to notice ``interrupt()`` (each wait is sliced to it).
+INTERRUPT_LATENCY = 0.5
+
+def closed(job_id: str, reason: str) -> RendezvousClosed:
+    """What a node is told when the job ended before it could join: ``reason`` says how
+    (``shutdown``): ``failed: ...`` when the job gave up, anything else when it finished."""
+    if not reason.startswith("failed"):
+        return RendezvousClosed(f"job {job_id!r} has finished ({reason}); nothing to join")
+    return RendezvousClosed(f"job {job_id!r} has ended ({reason}); nothing to join", succeeded=False)
+
+
 class RendezvousHandler:
     """Joins membership rounds of one job over any :class:`Store`.
 
@@ -78,12 +93,24 @@ class RendezvousHandler:
         self.prefix = f"rdzv/{config.job_id}"
         self.store = PrefixStore(self.prefix, store)
         self._clock = clock
+        self._interrupted = threading.Event()
         self._heartbeat: Heartbeat | None = None
         self.tracker = LivenessTracker(config.heartbeat_timeout)
         self.current: RoundInfo | None = None
-        self.signer = Signer(config.token)
+        self.signer = Signer(config.token, config.job_id)  # bound to the run once admitted
+        self.records = Records(self.store, self.prefix, self.signer)
         self._admitted = False
         self._ignored: set[str] = set()
+        self._deadline = 0.0  # of the join in progress; a spare's is pushed on while it waits
+        #: Called with (round, members of the full round before it) when this node waits as a
+        #: spare for that round (the agent emits ``spare_waiting``); never raises into the join.
+        self.on_spare: Callable[[int, int], None] | None = None
+
+    @property
+    def arrival_cap(self) -> int:
+        """The most arrivals of one round this node reads: the counter is writable by anyone,
+        so it never sizes a read beyond this (nodes past it wait for the next round)."""
+        return 2 * self.config.max_nodes + 32
 
     def _k(self, key: str) -> str:
         """The full store key (what a record's MAC covers and what errors name)."""
@@ -95,13 +122,24 @@ class RendezvousHandler:
             log.warning("ignored store key %r: %s", self._k(key), why)
 
     def _admit(self) -> None:
-        """Stamp the job with our token mode, or check that we may join the job stamped so."""
+        """Stamp the job with our token mode and a fresh run nonce, or check that we may join
+        the job stamped so; from then on every record is sealed for that run."""
         if self._admitted:
             return
-        mine = self.note("auth", auth=ALG if self.signer.enabled else "none")
+        base = Signer(self.config.token, self.config.job_id)  # the auth record: run ""
+        mine = encode_note(base, self._k("auth"), auth=ALG if base.enabled else "none", run=new_run_nonce())
         raw = self.store.compare_set("auth", None, mine) or mine
-        self.signer.admit(self._k("auth"), decode_note(self._k("auth"), raw), self.config.job_id, self.node_id)
+        stamp = decode_note(self._k("auth"), raw)
+        base.admit(self._k("auth"), stamp, self.config.job_id, self.node_id)
+        run = stamp.get("run")
+        self.signer = base.for_run(run if isinstance(run, str) else "")
+        self.records = Records(self.store, self.prefix, self.signer)
         self._admitted = True
+
+    @property
+    def run_nonce(self) -> str:
+        """The run's identity (from the job's ``auth`` record); "" before this node joined."""
+        return self.signer.run
 
     @property
     def left_check(self) -> Callable[[str, bytes | None], bool] | None:
@@ -109,18 +147,46 @@ class RendezvousHandler:
         return self.verified if self.signer.enabled else None
 
     def verified(self, key: str, raw: bytes | None) -> bool:
-        """Whether the note at ``key`` (``lost/..``, ``shutdown``) is signed with our token;
-        a forged one is ignored with a warning naming the key, never believed."""
+        """Whether the note at ``key`` (``lost/..``, ``shutdown``, a slot) is a record of this
+        run; a forged, replayed or garbled one is ignored with a warning naming the key, never
+        believed (and never raises: watch threads call this)."""
         if raw is None:
             return False
         try:
             decode_note(self._k(key), raw, self.signer)
             return True
-        except RendezvousAuthError as e:
+        except RendezvousStateError as e:
             self._ignore(key, str(e))
             return False
 
+    def _decode_result(self, key: str, raw: bytes | None) -> RoundResult | None:
+        """A round's result; None when absent or, with a token, when it does not verify
+        (a stranger's result is absent: the closer's compare-and-set replaces it)."""
+        if raw is None:
+            return None
+        try:
+            return decode_result(self._k(key), raw, self.signer)
+        except RendezvousAuthError as e:
+            self._ignore(key, str(e))
+            return None
+        except RendezvousStateError as e:
+            if not self.signer.enabled:
+                raise  # no token: garbage is an error naming the key, as before
+            self._ignore(key, str(e))
+            return None
+
     # -- joining ----------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Make a ``next_round`` in progress (or the next one) raise :class:`RendezvousInterrupted`
+        within ``INTERRUPT_LATENCY``: a SIGTERM must not wait out the join timeout. Safe from a
+        signal handler (it sets an event)."""
+        self._interrupted.set()
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise RendezvousInterrupted(f"node {self.node_id} stopped waiting for a round of job "
+                                        f"{self.config.job_id!r}: interrupted")
+
     def next_round(self) -> RoundInfo:
         """Join the next round and block until it closes; this node's rank and the membership.
 
@@ -128,23 +194,26 @@ class RendezvousHandler:
         when too few nodes came within the join timeout.
         """
         cfg = self.config
-        deadline = self._clock() + cfg.join_timeout
+        self._deadline = self._clock() + cfg.join_timeout
         self._admit()
         self.start_heartbeat()
         floor = 1
         while True:
+            self._check_interrupted()
             self._raise_if_shut_down()
-            if self._clock() >= deadline:
+            if self._clock() >= self._deadline:
                 raise RendezvousTimeout(
                     f"node {self.node_id} found no round of job {cfg.job_id!r} with room for it "
                     f"within the join timeout of {cfg.join_timeout:g}s (all closed at --nnodes MAX?)"
                 )
             n = self._open_round(floor)
             seq = self.store.add(round_key(n, "arrivals"), 1)
-            self.store.set(slot_key(n, seq), NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot_key(n, seq))))
-            result = self._await(n, seq, deadline)
+            slot = slot_key(n, seq)
+            self.store.set(slot, NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot)))
+            self._say_if_spare(n)
+            result = self._await(n, seq)
             if result.shutdown is not None:
-                raise RendezvousClosed(f"job {cfg.job_id!r} has finished ({result.shutdown}); nothing to join")
+                raise closed(cfg.job_id, result.shutdown)
             rank = result.rank_of(self.node_id)
             if rank is not None:
                 self.current = RoundInfo(
@@ -157,6 +226,28 @@ class RendezvousHandler:
             # we are now waiting for the next round, which num_nodes_waiting() reports.
             floor = n + 1
 
+    def _spare_for(self, n: int) -> RoundResult | None:
+        """The full round before ``n`` when this node is not one of its members (it waits as a
+        spare for ``n`` until a member is lost or leaves); else None."""
+        previous = self._read_result(n - 1) if n > 1 else None
+        if (previous is None or previous.shutdown is not None or len(previous.members) < self.config.max_nodes
+                or previous.rank_of(self.node_id) is not None):
+            return None
+        return previous
+
+    def _say_if_spare(self, n: int) -> None:
+        previous = self._spare_for(n)
+        if previous is None:
+            return
+        log.info("node %s waits as a spare: round %d runs full (%d of --nnodes MAX %d); it joins round %d "
+                 "when a member is lost or leaves", self.node_id, n - 1, len(previous.members),
+                 self.config.max_nodes, n)
+        if self.on_spare is not None:
+            try:
+                self.on_spare(n, len(previous.members))
+            except Exception as e:  # noqa: BLE001 - a report, never a reason to fail the join
+                log.warning("spare callback failed: %r", e)
+
     def start_heartbeat(self) -> None:
         """Start heartbeating now instead of in the first :meth:`next_round`.
 
@@ -166,40 +257,50 @@ class RendezvousHandler:
         keeps all that off the rendezvous' critical path. Idempotent; :meth:`close` stops it.
         """
         if self._heartbeat is None:
-            left = self.note(f"left/{self.node_id}", node_id=self.node_id) if self.signer.enabled else None
+            # The left note is sealed when the node leaves: by then it knows the run's nonce.
+            left = (lambda: self.note(f"left/{self.node_id}", node_id=self.node_id)) if self.signer.enabled else None
             self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval, left_note=left)
 
     def _open_round(self, floor: int) -> int:
         """The round to join; never below ``floor`` (a round that already closed without us)."""
         latest = self.store.add("latest", 0)  # also creates the counter, so the CAS below can match
-        closed = latest > 0 and self.store.try_get(round_key(latest, "result")) is not None
+        closed = latest > 0 and self._read_result(latest) is not None
         n = max(round_to_join(latest, closed), floor)
         if n > latest:
             self.store.compare_set("latest", str(latest).encode(), str(n).encode())
         return n
 
-    def _await(self, n: int, seq: int, deadline: float) -> RoundResult:
+    def _await(self, n: int, seq: int) -> RoundResult:
         """Wait for round ``n``'s result; close it ourselves when we are the closer."""
         cfg = self.config
         result_key = round_key(n, "result")
         previous = self._read_result(n - 1) if n > 1 else None
+        spare = self._spare_for(n) is not None
         records: dict[int, Arrival | None] = {}
         opened_at, min_reached_at = self._clock(), None
         while True:
+            deadline = self._deadline
+            self._check_interrupted()
             raw = self.store.try_get(result_key)
-            if raw is not None:
-                return decode_result(self._k(result_key), raw, self.signer)
+            result = self._decode_result(result_key, raw)
+            if result is not None:
+                return result
             now = self._clock()
             if self._closer_alive_before(n, seq, records, now):
-                if now >= deadline:
+                if spare:  # behind an earlier spare, which holds the round while the job runs full
+                    self._deadline = deadline = max(deadline, now + cfg.join_timeout)
+                elif now >= deadline:
                     raise RendezvousTimeout(
                         f"round {n} of job {cfg.job_id!r} did not form within the join timeout of "
                         f"{cfg.join_timeout:g}s; start more nodes or lower --nnodes MIN"
                     )
-                self._wait_for([result_key], min(cfg.heartbeat_interval, deadline - now))
+                if raw is None:
+                    self._wait_for([result_key], min(self._slice, deadline - now))
+                else:  # bytes that are not the result: the store cannot wait for a change
+                    time.sleep(max(0.001, min(self._slice, deadline - now)))
                 continue
             # We close this round.
-            count = self.store.add(round_key(n, "arrivals"), 0)
+            count = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
             arrivals = self._read_slots(n, records, 1, count)
             watch = [a.node_id for a in arrivals]
             if previous is not None:
@@ -209,13 +310,22 @@ class RendezvousHandler:
             decision = decide(view, cfg)
             if isinstance(decision, Close):
                 mine = RoundResult(n, decision.members).to_json(self.signer, self._k(result_key))
-                won = self.store.compare_set(result_key, None, mine)
-                return decode_result(self._k(result_key), won or b"", self.signer)
+                won = self._decode_result(result_key, self.store.compare_set(result_key, raw, mine))
+                if won is not None:
+                    return won
+                continue  # someone replaced what we saw meanwhile: look again
             if isinstance(decision, Fail):
                 raise RendezvousTimeout(decision.reason)
+            if isinstance(decision, Hold):
+                # Spares wait as long as the job runs full; the round's clocks (join timeout,
+                # last call, the wait for previous members) start when the hold ends.
+                opened_at, min_reached_at = now, None
+                self._deadline = max(deadline, now + cfg.join_timeout)
+                self._wait_for([slot_key(n, decision.wake_seq)], self._slice, also=result_key)
+                continue
             assert isinstance(decision, Wait)
             min_reached_at = decision.min_reached_at
-            until = min(decision.until, now + cfg.heartbeat_interval)
+            until = min(decision.until, now + self._slice)
             # A node bumps the counter before it writes its slot. ``wake_seq`` counts on from
             # the highest written slot, so while a lower one is still unwritten it lies past
             # the last node to come; wait for that slot first, then decide again.
@@ -231,6 +341,8 @@ class RendezvousHandler:
         live closer, so a waiting node costs the store O(1) small reads per heartbeat, not
         a read of every earlier slot and a listing of every key.
         """
+        if seq > self.arrival_cap:
+            return True  # past what any node reads (a flood of arrivals): never the closer
         lo, size = 1, 1
         while lo <= seq:
             hi = min(seq, lo + size - 1)
@@ -252,7 +364,9 @@ class RendezvousHandler:
                 if raw is not None:
                     try:
                         rec = decode_node(self._k(slot_key(n, s)), raw, self.signer)
-                    except RendezvousAuthError as e:  # a stranger's join: never counted
+                    except RendezvousStateError as e:  # a stranger's join: never counted
+                        if not self.signer.enabled and not isinstance(e, RendezvousAuthError):
+                            raise  # no token: garbage is an error naming the key, as before
                         self._ignore(slot_key(n, s), str(e))
                         cache[s] = None
                         continue
@@ -271,10 +385,15 @@ class RendezvousHandler:
         lost = self._lost() if lost is None else lost
         return frozenset(n for n in node_ids if n in lost or self.tracker.is_dead(n, now))
 
+    @property
+    def _slice(self) -> float:
+        """The longest single wait: a heartbeat interval, and short enough for ``interrupt``."""
+        return min(self.config.heartbeat_interval, INTERRUPT_LATENCY)
+
     def _wait_for(self, keys: list[str], timeout: float, also: str | None = None) -> None:
         """Block until ``keys`` exist or ``timeout``; ``also`` is checked first (one more key
         that ends the wait, e.g. the round's result, which the store cannot wait on with "any")."""
-        if also is not None and self.store.try_get(also) is not None:
+        if also is not None and self._decode_result(also, self.store.try_get(also)) is not None:
             return
         try:
             self.store.wait(keys, max(timeout, 0.001))
@@ -282,25 +401,37 @@ class RendezvousHandler:
             pass
 
     def _read_result(self, n: int) -> RoundResult | None:
-        raw = self.store.try_get(round_key(n, "result"))
-        return None if raw is None else decode_result(self._k(round_key(n, "result")), raw, self.signer)
+        return self._decode_result(round_key(n, "result"), self.store.try_get(round_key(n, "result")))
 
     def _raise_if_shut_down(self) -> None:
         raw = self.store.try_get("shutdown")
         if self.verified("shutdown", raw):
             assert raw is not None
-            reason = decode_note(self._k("shutdown"), raw).get("reason", "finished")
-            raise RendezvousClosed(f"job {self.config.job_id!r} has finished ({reason}); nothing to join")
+            reason = str(decode_note(self._k("shutdown"), raw).get("reason", "finished"))[:200]
+            raise closed(self.config.job_id, reason)
 
     # -- while running ----------------------------------------------------------------------
     def num_nodes_waiting(self) -> int:
         """Nodes that have arrived for the round after ours: a reason to re-rendezvous."""
         n = self.current.round if self.current else self.store.add("latest", 0)
-        return self.store.add(round_key(n + 1, "arrivals"), 0)
+        return parse_counter(self.store.try_get(round_key(n + 1, "arrivals")), self.config.max_nodes)
 
     def mark_lost(self, node_id: str, reason: str) -> None:
         """Publish that ``node_id`` is gone, so the next round's closer need not wait for it."""
-        self.store.compare_set(f"lost/{node_id}", None, self.note(f"lost/{node_id}", by=self.node_id, reason=reason))
+        self.claim_note(f"lost/{node_id}", self.note(f"lost/{node_id}", by=self.node_id, reason=reason))
+
+    def claim_note(self, key: str, mine: bytes, store: Store | None = None,
+                   believed: Callable[[str, bytes | None], bool] | None = None) -> None:
+        """Compare-and-set a note into ``key`` unless one of this run is there; bytes that do
+        not verify (a stranger's, another run's) count as absent and are replaced."""
+        store = store or self.store
+        believed = believed or self.verified
+        for _ in range(100):
+            raw = store.try_get(key)
+            if raw is not None and believed(key, raw):
+                return
+            if store.compare_set(key, raw, mine) == mine:
+                return
 
     def note(self, key: str, **body: Any) -> bytes:
         """A JSON note for ``key``, signed when the job has a token."""
@@ -308,12 +439,19 @@ class RendezvousHandler:
 
     def shutdown(self, reason: str = "finished") -> None:
         """Close the job: every node waiting now or arriving later gets :class:`RendezvousClosed`."""
-        self.store.compare_set("shutdown", None, self.note("shutdown", reason=reason, by=self.node_id))
+        self.claim_note("shutdown", self.note("shutdown", reason=reason, by=self.node_id))
         latest = self.store.add("latest", 0)
         for n in (latest, latest + 1):
             if n > 0:
                 key = round_key(n, "result")
-                self.store.compare_set(key, None, RoundResult(n, shutdown=reason).to_json(self.signer, self._k(key)))
+                self.claim_note(key, RoundResult(n, shutdown=reason).to_json(self.signer, self._k(key)),
+                                believed=self._result_believed)
+
+    def _result_believed(self, key: str, raw: bytes | None) -> bool:
+        try:
+            return self._decode_result(key, raw) is not None
+        except RendezvousStateError:
+            return False
 
     def close(self, leaving: bool = True) -> None:
         """Stop heartbeating; ``leaving`` tells peers at once instead of after the timeout."""

@@ -65,9 +65,9 @@ def read_counters(store: Store, node_ids: list[str],
     out: dict[str, int | None] = {}
     for node_id, raw in zip(node_ids, values):
         try:
-            out[node_id] = None if raw is None else int(raw)
-        except ValueError:
-            out[node_id] = None
+            out[node_id] = None if raw is None else int(raw.decode("ascii").strip()[:32])
+        except (UnicodeDecodeError, ValueError):
+            out[node_id] = None  # not a counter: judged as absent (silent), never a crash
         if out[node_id] == LEFT and left_is_signed is not None:
             key = f"left/{node_id}"
             if not left_is_signed(key, store.try_get(key)):
@@ -82,7 +82,8 @@ class Heartbeat:
     remembers the last store error, so the agent can tell "the store is gone" from "a peer is".
     """
 
-    def __init__(self, store: Store, node_id: str, interval: float, left_note: bytes | None = None) -> None:
+    def __init__(self, store: Store, node_id: str, interval: float,
+                 left_note: bytes | Callable[[], bytes] | None = None) -> None:
         self._store = store.clone()
         self._key = hb_key(node_id)
         self._left = (f"left/{node_id}", left_note)  # written before the LEFT mark, when given
@@ -120,8 +121,9 @@ class Heartbeat:
         self._thread.join(timeout=0 if cut_off else self._interval + 5)
         if leaving and not cut_off:
             try:
-                if self._left[1] is not None:
-                    self._store.set(self._left[0], self._left[1])
+                note = self._left[1]
+                if note is not None:
+                    self._store.set(self._left[0], note() if callable(note) else note)
                 self._store.set(self._key, str(LEFT).encode())
             except StoreError:
                 pass

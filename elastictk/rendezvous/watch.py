@@ -7,6 +7,7 @@ are still caught: the next round's closer checks every previous member.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -14,10 +15,13 @@ from typing import TYPE_CHECKING, Callable
 from ..store import StoreClosed, StoreError, StoreTimeout, StoreUnreachable
 from .errors import RendezvousError
 from .liveness import LivenessTracker, read_counters
-from .records import round_key, slot_key
+from .records import decode_node, round_key, slot_key
+from .sealed import parse_counter
 
 if TYPE_CHECKING:
     from .handler import RendezvousHandler, RoundInfo
+
+log = logging.getLogger("elastictk.rendezvous")
 
 
 class MembershipWatch:
@@ -34,7 +38,11 @@ class MembershipWatch:
         self._on_change = on_change
         self.reason: str | None = None
         self.lost: list[str] = []
-        self._strangers: set[int] = set()
+        self._strangers: set[int] = set()  # slots of round+1 that never wake us (strangers, spares)
+        # A full round is not re-formed for a newcomer: it waits as a spare (decide.held) until
+        # a member is lost or leaves; only a member's own arrival for the next round wakes us.
+        self._full = len(info.members) >= handler.config.max_nodes
+        self._members = {m.node_id for m in info.members}
         self.store_error: StoreError | None = None
         self.changed = threading.Event()
         self._handler = handler
@@ -56,6 +64,14 @@ class MembershipWatch:
         and every store call of this node may hang on the dead link; this thread makes no
         store call, so it notices on its own clock and the agent stops its workers.
         """
+        try:
+            self._fence_loop()
+        except Exception as e:  # noqa: BLE001 - never die silently: log the cause, wake the agent
+            log.error("membership fence of round %d stopped: %r", self.info.round, e, exc_info=True)
+            self.store_error = StoreError(f"the membership fence failed: {e!r}")
+            self._signal(str(self.store_error))
+
+    def _fence_loop(self) -> None:
         cfg = self._handler.config
         while not self._stop.wait(cfg.heartbeat_interval):
             silent = self._handler.heartbeat_silence()
@@ -102,12 +118,27 @@ class MembershipWatch:
                         raise
                     self._tracker = LivenessTracker(cfg.heartbeat_timeout)
                     self._stop.wait(min(cfg.heartbeat_interval, 0.5))
+                except RendezvousError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a bug or garbage we did not foresee: ride it
+                    # through like a store that is briefly unavailable, logged with its cause;
+                    # if it persists for heartbeat_timeout the agent is woken as for a lost store.
+                    log.warning("membership watch of round %d: %r", self.info.round, e, exc_info=True)
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since >= cfg.heartbeat_timeout:
+                        raise StoreError(f"the membership watch keeps failing: {e!r}") from e
+                    self._stop.wait(min(cfg.heartbeat_interval, 0.5))
         except StoreError as e:
             self.store_error = e
             self._signal(f"lost the rendezvous store: {e}")
         except RendezvousError as e:  # garbage in the store: the agent ends with the key named
             self.store_error = StoreError(str(e))
             self._signal(str(e))
+        except BaseException as e:  # never die silently: log the cause, wake the agent
+            log.error("membership watch of round %d stopped: %r", self.info.round, e, exc_info=True)
+            self.store_error = StoreError(f"the membership watch failed: {e!r}")
+            self._signal(str(self.store_error))
         finally:
             self._store.close()
 
@@ -127,8 +158,8 @@ class MembershipWatch:
         except StoreTimeout:
             pass
         if self._wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
-            count = int(self._store.try_get(next_arrivals) or b"0")
-            first_unread = self._first_trusted(nxt, count)
+            count = parse_counter(self._store.try_get(next_arrivals), self._handler.arrival_cap)
+            first_unread = self._first_joiner(nxt, count)
             if first_unread is None:
                 self._signal(f"round {nxt} opened: {count} node(s) arrived")
                 return True
@@ -141,28 +172,43 @@ class MembershipWatch:
                 silent = tracker.silent_for(node_id, now)
                 why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
                 note = self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
-                self._store.compare_set(f"lost/{node_id}", None, note)
+                self._handler.claim_note(f"lost/{node_id}", note, store=self._store)
                 self.lost.append(node_id)
                 self._signal(why)
                 return True
         return False
 
-    def _first_trusted(self, n: int, count: int) -> int | None:
+    def _first_joiner(self, n: int, count: int) -> int | None:
         """None when a node of this job (its join record signed with the token) arrived for
-        round ``n``; else the first slot not yet written, to wait on. A stranger's arrival
-        (an unsigned or forged record) never makes the job re-form."""
-        if not self._handler.signer.enabled:
+        round ``n`` and should make the round re-form; else the first slot not yet written, to
+        wait on. A stranger's arrival (an unsigned or forged record) never makes the job
+        re-form, nor, while this round runs full, a spare's."""
+        if not self._handler.signer.enabled and not self._full:
             return None
         seqs = [s for s in range(1, count + 1) if s not in self._strangers]
         first_unread = count + 1
         for seq, raw in zip(seqs, self._store.multi_get([slot_key(n, s) for s in seqs])):
             if raw is None:
                 first_unread = min(first_unread, seq)
-            elif self._handler.verified(slot_key(n, seq), raw):
+            elif self._handler.verified(slot_key(n, seq), raw) and self._wakes(n, seq, raw):
                 return None
             else:
                 self._strangers.add(seq)
         return first_unread
+
+    def _wakes(self, n: int, seq: int, raw: bytes) -> bool:
+        """Whether a (verified) arrival re-forms the round: any, unless the round runs full;
+        then only a member's (it left the running round: a failure, a restart, its exit)."""
+        if not self._full:
+            return True
+        try:
+            node_id = decode_node(f"{self._handler.prefix}/{slot_key(n, seq)}", raw, self._handler.signer).node_id
+        except RendezvousError:
+            return False  # garbage without a token: the next round's closer names it
+        if node_id in self._members:
+            return True
+        log.debug("node %s arrived for round %d as a spare: the running round is full", node_id, n)
+        return False
 
     @property
     def cause(self) -> str:

@@ -1,4 +1,6 @@
 """Key-value stores behind one interface: file, torch c10d TCPStore, etcd v3."""
+from typing import TYPE_CHECKING
+
 from .base import (
     DEFAULT_TIMEOUT,
     Deadline,
@@ -10,20 +12,24 @@ from .base import (
 )
 from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_in_use
 from .etcd import EtcdStore
-from .etcd_server import EtcdServer
 from .file import FileStore
 from .prefix import PrefixStore
 
+if TYPE_CHECKING:
+    from .tcp import TCPStore
+
 __all__ = [
-    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "EtcdServer", "EtcdStore",
+    "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "EtcdStore",
     "FileStore", "PrefixStore", "Store", "StoreClosed", "StoreError", "StoreTimeout",
     "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use",
 ]
 
 
-def __getattr__(name: str):  # torch-backed stores import torch lazily
-    if name == "TCPStore":
+def __getattr__(name: str) -> object:
+    if name == "TCPStore":  # torch-backed stores import torch lazily
         from .tcp import TCPStore
 
         return TCPStore
-    raise AttributeError(name)
+    from .._moved import moved_attribute
+
+    return moved_attribute(__name__, name, {"EtcdServer": "elastictk.testing.etcd"})

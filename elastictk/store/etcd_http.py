@@ -13,19 +13,25 @@ connection that cannot be opened, a server that answers "unavailable" (no leader
 that is not etcd moves on to the next endpoint. A request that was already sent when its
 connection broke is retried elsewhere only when repeating it is harmless (``retry_sent``), since
 etcd may have applied it before the connection died.
+
+TLS: with an :class:`ssl.SSLContext` every connection is HTTPS (the context verifies etcd's
+certificate against the CA and presents the client certificate). A TLS failure (wrong CA, no or
+a foreign client certificate, plain HTTP to a TLS port or the reverse) is named with its fix,
+since retrying cannot cure it.
 """
 from __future__ import annotations
 
 import base64
 import http.client
 import json
-import select
 import socket
+import ssl
 import threading
 from typing import Any, Sequence
 
 from .base import Deadline, StoreClosed, StoreError, StoreUnreachable
 from .endpoint import Endpoint
+from ..lifetime.ready import readable
 
 GRPC_CANCELED = 1
 GRPC_NOT_FOUND = 5
@@ -34,7 +40,14 @@ HINT = (
     "check the etcd endpoint(s) (host:port of etcd's client port, default 2379) and that "
     "etcd is running there"
 )
+TLS_HINT = (
+    "give the etcd client port's scheme and files: https:// endpoints (or --rdzv-conf "
+    "protocol=https) with cacert= the CA that signed etcd's certificate, and cert=/key= a "
+    "client certificate signed by the CA etcd trusts (--trusted-ca-file)"
+)
 _HEADERS = {"Content-Type": "application/json", "Connection": "keep-alive"}
+#: what Go's HTTP server answers to plain HTTP on a TLS port (etcd with --cert-file)
+_PLAIN_TO_TLS = b"HTTP request to an HTTPS server"
 
 JSON = dict[str, Any]
 
@@ -67,8 +80,115 @@ class _Skip(Exception):
         self.why, self.applied_maybe = why, applied_maybe
 
 
+#: OpenSSL's names for the alerts a server sends when it refuses the client's certificate
+_CERT_ALERTS = ("CERTIFICATE_REQUIRED", "UNKNOWN_CA", "BAD_CERTIFICATE", "UNSUPPORTED_CERTIFICATE",
+                "CERTIFICATE_UNKNOWN", "HANDSHAKE_FAILURE")
+
+
+class TLSProblem(str):
+    """A reason that is a TLS misconfiguration: retrying or waiting cannot cure it."""
+
+
+def _tls_reason(exc: ssl.SSLError) -> TLSProblem:
+    """What a TLS failure means for the user, and the fix (``exc.reason`` is OpenSSL's code)."""
+    code = (getattr(exc, "reason", None) or "").upper()
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        detail = getattr(exc, "verify_message", None) or code or str(exc)
+        if "mismatch" in str(detail).lower() or "hostname" in str(detail).lower():
+            return TLSProblem(
+                f"etcd's certificate does not name this host ({detail}): connect by a name or "
+                "IP address listed in the certificate's subjectAltName"
+            )
+        return TLSProblem(
+            f"etcd's certificate is not trusted ({detail}): set cacert= to the CA that signed "
+            "etcd's --cert-file"
+        )
+    if any(alert in code for alert in _CERT_ALERTS):
+        return TLSProblem(
+            f"etcd refused this client's certificate ({code.lower()}): set cert= and key= to a "
+            "client certificate signed by the CA etcd trusts (its --trusted-ca-file)"
+        )
+    if "WRONG_VERSION_NUMBER" in code or "RECORD_LAYER_FAILURE" in code or "PACKET_LENGTH" in code:
+        return TLSProblem(
+            "it does not speak TLS (a plain-HTTP etcd client port?): use http:// endpoints and "
+            "drop protocol=https/cacert/cert/key, or serve etcd with --cert-file"
+        )
+    return TLSProblem(f"TLS handshake failed ({code.lower() or exc}); {TLS_HINT}")
+
+
+def speaks_tls(endpoint: Endpoint, timeout: float) -> bool | None:
+    """Whether a TLS server answers a ClientHello at ``endpoint``; ``None`` if it cannot be told.
+
+    Used only after a failure, to tell a TLS port spoken to in plain HTTP (and a plain port
+    spoken to in TLS, and a refused client certificate) from other broken connections: etcd
+    just closes the connection in all of them.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    hello = ctx.wrap_bio(ssl.MemoryBIO(), outgoing)
+    try:
+        hello.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port),
+                                      timeout=max(timeout, 0.01)) as sock:
+            sock.sendall(outgoing.read())
+            first = sock.recv(5)
+    except OSError:
+        return None
+    return len(first) > 0 and first[0] in (0x15, 0x16)  # a TLS alert or handshake record
+
+
+_CLOSED = (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected,
+           http.client.BadStatusLine, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+
+def _client_cert_refused(tls: ssl.SSLContext) -> TLSProblem:
+    given = getattr(tls, "_elastictk_client_cert", "?")
+    sent = ("this client sent none" if given is None else
+            f"this client's {given} is not signed by it" if given != "?" else
+            "this client sent none or one it does not trust")
+    return TLSProblem(
+        "etcd ended the TLS handshake: it requires a client certificate signed by the CA it "
+        f"trusts (its --trusted-ca-file) and {sent}; set cert= and key= to a client "
+        "certificate and key signed by that CA"
+    )
+
+
+def explain(exc: BaseException, endpoint: Endpoint, timeout: float,
+            tls: ssl.SSLContext | None) -> str:
+    """:func:`reason`, refined when a closed connection is really a TLS mismatch."""
+    code = str(getattr(exc, "reason", None) or "").upper()
+    if tls is not None and any(alert in code for alert in _CERT_ALERTS):
+        return _client_cert_refused(tls)  # the same whether etcd sent its alert or just closed
+    why = reason(exc, timeout)
+    closed = isinstance(exc, _CLOSED) or (
+        isinstance(exc, ssl.SSLError) and "EOF" in str(getattr(exc, "reason", "") or exc).upper()
+    )
+    if not closed:
+        return why
+    tls_there = speaks_tls(endpoint, min(timeout, 5.0))  # a loaded host answers late
+    if tls is None and tls_there:
+        return TLSProblem(
+            "it serves TLS and was spoken to in plain HTTP: use https://host:port endpoints "
+            "(or --rdzv-conf protocol=https) with cacert=, cert= and key="
+        )
+    if tls is not None and tls_there is False:
+        return TLSProblem(
+            "it does not speak TLS (a plain-HTTP etcd client port?): use http:// endpoints "
+            "and drop protocol=https/cacert/cert/key, or serve etcd with --cert-file"
+        )
+    if tls is not None and tls_there:
+        return _client_cert_refused(tls)
+    return why
+
+
 def reason(exc: BaseException, timeout: float) -> str:
     """A short, human reason for a failed connection or request."""
+    if isinstance(exc, ssl.SSLError):
+        return _tls_reason(exc)
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (nothing listens there)"
     if isinstance(exc, (socket.timeout, TimeoutError)):
@@ -101,6 +221,11 @@ def decode(endpoint: Endpoint, path: str, status: int, payload: bytes) -> JSON:
         if code in (GRPC_UNAVAILABLE, GRPC_CANCELED):
             raise _Skip(f"etcd is unavailable ({message})", applied_maybe=True)
         raise EtcdApiError(f"etcd at {endpoint} refused {path}: {message}", code)
+    if _PLAIN_TO_TLS in payload:
+        raise _Skip(TLSProblem(
+            "it serves TLS and was spoken to in plain HTTP: use https://host:port endpoints (or "
+            "--rdzv-conf protocol=https) with cacert=, cert= and key="
+        ))
     raise _Skip(
         f"answered HTTP {status} to POST {path}, so it is not etcd 3.4+'s v3 API (an etcd "
         "peer port, default 2380, or another service?)"
@@ -112,14 +237,22 @@ def _dropped(sock: socket.socket | None) -> bool:
     if sock is None:
         return True
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        return bool(readable([sock], 0))
     except (OSError, ValueError):
         return True
 
 
-def _connect(endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
-    conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=max(timeout, 0.001))
-    conn.connect()
+def _connect(endpoint: Endpoint, timeout: float,
+             tls: ssl.SSLContext | None = None) -> http.client.HTTPConnection:
+    """A connection to ``endpoint``, over TLS (handshake done here) when ``tls`` is given."""
+    t = max(timeout, 0.001)
+    conn = (http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=t) if tls is None
+            else http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=t, context=tls))
+    try:
+        conn.connect()
+    except BaseException:
+        conn.close()
+        raise
     assert conn.sock is not None
     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
@@ -165,9 +298,11 @@ class JsonStream:
 class EtcdTransport:
     """JSON calls to the first endpoint that answers; see the module docstring for failover."""
 
-    def __init__(self, endpoints: Sequence[Endpoint], timeout: float) -> None:
+    def __init__(self, endpoints: Sequence[Endpoint], timeout: float,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls
         self.requests = 0  # calls and streams opened, so tests can tell waiting from polling
         self._current = 0
         self._conn: http.client.HTTPConnection | None = None
@@ -175,7 +310,8 @@ class EtcdTransport:
         self._closed = False
 
     def describe(self) -> str:
-        return "etcd://" + ",".join(str(e) for e in self.endpoints)
+        scheme = "etcd" if self.tls is None else "etcd+https"
+        return f"{scheme}://" + ",".join(str(e) for e in self.endpoints)
 
     def _order(self) -> list[int]:
         n = len(self.endpoints)
@@ -194,6 +330,8 @@ class EtcdTransport:
         if not failures:
             return StoreUnreachable(f"cannot reach etcd at {self.describe()}: out of time; {HINT}")
         shown = "; ".join(f"{ep}: {why}" for ep, why in failures)
+        if all(isinstance(why, TLSProblem) for _, why in failures):  # each says its own fix
+            return StoreUnreachable(f"cannot talk to etcd over {self.describe()} ({shown})")
         return StoreUnreachable(f"cannot reach etcd ({shown}); {HINT}")
 
     def call(self, path: str, body: JSON, *, timeout: float | None = None,
@@ -218,9 +356,9 @@ class EtcdTransport:
                     self._drop()
                 if self._conn is None:
                     try:
-                        self._conn = _connect(ep, left / n_left)
+                        self._conn = _connect(ep, left / n_left, self.tls)
                     except OSError as e:
-                        failures.append((ep, reason(e, left / n_left)))
+                        failures.append((ep, explain(e, ep, left / n_left, self.tls)))
                         continue
                     self._current = idx
                 conn = self._conn
@@ -232,7 +370,7 @@ class EtcdTransport:
                     payload, status = resp.read(), resp.status
                 except (OSError, http.client.HTTPException) as e:
                     self._drop()
-                    why = reason(e, left)
+                    why = explain(e, ep, left, self.tls)
                     if not retry_sent:
                         raise StoreUnreachable(
                             f"lost etcd at {ep} during {path} ({why}); the request may or may "
@@ -267,7 +405,7 @@ class EtcdTransport:
                 break
             conn: http.client.HTTPConnection | None = None
             try:
-                conn = _connect(ep, left / n_left)
+                conn = _connect(ep, left / n_left, self.tls)
                 sock = conn.sock
                 assert sock is not None
                 sock.settimeout(max(deadline.remaining() or 0.0, 0.001))
@@ -279,7 +417,7 @@ class EtcdTransport:
             except (OSError, http.client.HTTPException) as e:
                 if conn is not None:
                     conn.close()
-                failures.append((ep, reason(e, left)))
+                failures.append((ep, explain(e, ep, left, self.tls)))
                 continue
             except _Skip as e:
                 if conn is not None:

@@ -17,9 +17,14 @@ files: there is no process whose death takes the store down, so the store must s
   renamed its new value into place, so it is never lost.
 - ``wait``/``get`` wake on inotify events for the directory and also re-check on a backoff
   capped at :data:`POLL_CAP`, because inotify does not see writes made by other NFS clients.
+- With ``durable=True`` (the default) each write fsyncs the value, then, after the rename, the
+  directory, so a value ``set`` returned with survives a power loss; ``delete`` fsyncs the
+  directory after the unlink the same way.
 
-A power loss may roll a key back to an earlier value (the directory is not fsynced per write),
-but never tears one.
+The directory is trusted only when it is private: owned by the current user and not writable
+by group or others (a directory the store creates itself is mode 0700). A key or lock file that
+is not a regular file (a FIFO, a symlink, a directory or a device planted under its name) is an
+error, never followed and never waited on.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import fcntl
 import hashlib
 import os
 import secrets
+import stat
 import time
 import weakref
 import zlib
@@ -48,6 +54,9 @@ POLL_CAP = 0.05
 _KEY, _HASHED, _TEMP, _LOCK = "k.", "h.", "t.", "lock."
 _MAX_NAME = 240  # below NAME_MAX (255) on every filesystem elastictk runs on
 _LEN_BYTES = 4  # big-endian length of the key in front of a hashed file's value
+# A planted symlink fails to open (ELOOP); a planted FIFO or device opens without blocking, and
+# fstat then refuses it.
+_SAFE_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def _key_bytes(key: str) -> bytes:
@@ -92,8 +101,9 @@ class _Handles:
 class FileStore(Store):
     """A :class:`Store` in directory ``path`` (created mode 0700 if missing; files mode 0600).
 
-    ``durable=False`` skips the fsync of each written value: faster, still never torn by a
-    killed process, but a power loss may leave an empty key file. ``watch=False`` turns off
+    ``durable=False`` skips the fsync of each written value and of the directory after its
+    rename: faster, still never torn by a killed process, but a power loss may leave an empty
+    key file or roll a key back to an earlier value. ``watch=False`` turns off
     inotify and waits by polling alone (what happens anyway where inotify is unavailable).
     """
 
@@ -115,6 +125,9 @@ class FileStore(Store):
         try:  # fail now, with one clear line, where the directory is not writable
             os.close(self._lock_fd(0))
             self._collect_temp(os.listdir(self._dir))
+        except StoreError:
+            self.close()
+            raise
         except OSError as e:
             self.close()
             raise self._path_error(e) from None
@@ -124,7 +137,7 @@ class FileStore(Store):
         try:
             if not os.path.isdir(self.path):
                 os.makedirs(self.path, mode=0o700, exist_ok=True)
-            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileExistsError, NotADirectoryError):
             blocker = self.path
             while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
@@ -132,6 +145,26 @@ class FileStore(Store):
             raise self._path_error(f"{blocker} is not a directory") from None
         except OSError as e:
             raise self._path_error(e) from None
+        try:
+            self._check_private(os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_private(self, st: os.stat_result) -> None:
+        """Refuse a directory another user could plant files in or swap keys of."""
+        uid = os.geteuid()
+        if st.st_uid != uid:
+            raise StoreError(
+                f"cannot use {self.path} for a file store: it is owned by user id {st.st_uid}, not by "
+                f"the current user (id {uid}); use a directory of your own (it is created mode 0700 if "
+                "missing)")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise StoreError(
+                f"cannot use {self.path} for a file store: it is writable by group or others (mode "
+                f"{mode:04o}); run chmod go-w {self.path}, or use a private directory")
 
     def _path_error(self, problem: str | OSError) -> StoreError:
         if isinstance(problem, PermissionError):
@@ -165,9 +198,46 @@ class FileStore(Store):
             ) from None
 
     def _lock_fd(self, stripe: int) -> int:
-        return os.open(
-            f"{_LOCK}{stripe:02d}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=self._dir
-        )
+        name = f"{_LOCK}{stripe:02d}"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | _SAFE_OPEN, 0o600, dir_fd=self._dir)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise self._not_regular(name, None, "a symlink") from None
+            raise
+        self._check_regular(fd, name, None)
+        return fd
+
+    def _check_regular(self, fd: int, name: str, key: str | None) -> None:
+        """Close ``fd`` and raise unless it is a regular file."""
+        try:
+            mode = os.fstat(fd).st_mode
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise self._not_regular(name, key, kind)
+
+    def _not_regular(self, name: str, key: str | None, kind: str) -> StoreError:
+        of = f" of key {key!r}" if key is not None else ""
+        return StoreError(
+            f"{name}{of} in {self.describe()} is {kind}, not a regular file: something other than "
+            f"elastictk put it there; remove it (and check who can write {self.path})")
+
+    def _open_key(self, dir_fd: int, key: str | None, name: str) -> int:
+        """Open a key file for reading: regular files only, symlinks never followed."""
+        try:
+            fd = os.open(name, os.O_RDONLY | _SAFE_OPEN, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise self._not_regular(name, key, "a symlink") from None
+            raise
+        self._check_regular(fd, name, key)
+        return fd
 
     @contextmanager
     def _locked(self, key: str) -> Iterator[None]:
@@ -195,9 +265,10 @@ class FileStore(Store):
             os.close(fd)  # also releases the lock
 
     def _read(self, dir_fd: int, key: str, name: str) -> bytes | None:
+        data = b""
         for attempt in range(3):
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+                fd = self._open_key(dir_fd, key, name)
             except FileNotFoundError:
                 return None
             except OSError as e:
@@ -245,9 +316,11 @@ class FileStore(Store):
             os.close(fd)
             try:
                 os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                return
             except FileNotFoundError:
                 continue  # collected as stale by a peer with a skewed clock: write it again
+            if self.durable:
+                os.fsync(dir_fd)  # the rename itself survives a power loss
+            return
 
     def _exists(self, dir_fd: int, name: str) -> bool:
         try:
@@ -264,7 +337,7 @@ class FileStore(Store):
             if not name.startswith(_TEMP):
                 continue
             try:
-                if now - os.stat(name, dir_fd=self._dir).st_mtime > TEMP_MAX_AGE:
+                if now - os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mtime > TEMP_MAX_AGE:
                     os.unlink(name, dir_fd=self._dir)
             except FileNotFoundError:
                 pass
@@ -286,7 +359,7 @@ class FileStore(Store):
                 value = int(current.decode("ascii")) if current is not None else 0
             except (UnicodeDecodeError, ValueError):
                 raise StoreError(
-                    f"add on key {key!r} in {self.describe()}: it holds {current[:32]!r}, not a "
+                    f"add on key {key!r} in {self.describe()}: it holds {(current or b'')[:32]!r}, not a "
                     "decimal counter; use another key for the counter"
                 ) from None
             value += int(amount)
@@ -306,9 +379,11 @@ class FileStore(Store):
         with self._op("delete", key) as d, self._locked(key):
             try:
                 os.unlink(key_file(key), dir_fd=d)
-                return True
             except FileNotFoundError:
                 return False
+            if self.durable:
+                os.fsync(d)
+            return True
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         found: list[bytes] = []
@@ -349,7 +424,7 @@ class FileStore(Store):
 
     def _hashed_key(self, dir_fd: int, name: str) -> str | None:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = self._open_key(dir_fd, None, name)
         except FileNotFoundError:
             return None
         try:

@@ -9,14 +9,18 @@ from .base import Store
 class PrefixStore(Store):
     """Every key is stored as ``prefix + "/" + key`` in the underlying store.
 
-    Closing a view does not close the store under it: the view does not own it.
+    Closing a view does not close the store under it: the view does not own it. A
+    :meth:`clone` is different: its connection under the view is new and nobody else holds
+    it, so the clone owns it and closing the clone closes it (else every clone leaks a
+    connection: an agent cloned two per round and ran out of descriptors).
     """
 
-    def __init__(self, prefix: str, store: Store) -> None:
+    def __init__(self, prefix: str, store: Store, *, owns: bool = False) -> None:
         if not prefix:
             raise ValueError("PrefixStore needs a non-empty prefix")
         self.prefix = prefix.rstrip("/") + "/"
         self.inner = store
+        self._owns = owns
         self.default_timeout = store.default_timeout
 
     def _k(self, key: str) -> str:
@@ -51,10 +55,12 @@ class PrefixStore(Store):
         return [k[n:] for k in self.inner.keys(self._k(prefix))]
 
     def clone(self) -> "PrefixStore":
-        return PrefixStore(self.prefix, self.inner.clone())
+        return PrefixStore(self.prefix, self.inner.clone(), owns=True)
 
     def close(self) -> None:
-        """A view owns nothing; closing it leaves the store open."""
+        """A view leaves the store under it open; a clone closes the connection it owns."""
+        if self._owns:
+            self.inner.close()
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (prefix {self.prefix!r})"

@@ -121,11 +121,16 @@ class TCPStore(Store):
 
     def set(self, key: str, value: bytes) -> None:
         with self._op("set", [key]) as s:
-            s.set(key, value)
+            s.set(key, value)  # type: ignore[arg-type]  # torch's stub says str; bytes are kept as is
+            # torch's SET is sent without waiting for a reply, so another client's read right
+            # after could still see the old value. A round trip on the same connection (the
+            # server serves one connection in order) makes the write visible before we return,
+            # as it is with the file and etcd stores.
+            s.check([key])
 
     def try_get(self, key: str) -> bytes | None:
         with self._op("get", [key]) as s:
-            value = s.compare_set(key, _ABSENT, _ABSENT)
+            value = s.compare_set(key, _ABSENT, _ABSENT)  # type: ignore[arg-type]  # bytes, as set
         return None if value == _ABSENT else bytes(value)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
@@ -165,7 +170,7 @@ class TCPStore(Store):
             # A no-op swap; c10d would echo ``expected`` for an absent key too, so ask directly.
             return self.try_get(key)
         with self._op("compare_set", [key]) as s:
-            value = bytes(s.compare_set(key, exp, desired))
+            value = bytes(s.compare_set(key, exp, desired))  # type: ignore[arg-type]  # bytes, as set
         if exp and value == exp and exp != desired:
             return None  # c10d echoes ``expected`` back for an absent key
         return value
@@ -199,7 +204,7 @@ class TCPStore(Store):
 
     def clone(self) -> "TCPStore":
         with self._op("clone") as s:
-            raw = s.clone()
+            raw = s.clone()  # type: ignore[attr-defined]  # torch >= 2.4 has it; the stub lags
         return TCPStore(self.host, self.port, timeout=self.default_timeout, _raw=raw)
 
     def close(self) -> None:

@@ -6,15 +6,16 @@ importing the agent-side machinery it never uses.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
 
 _LAZY = {
     "Assignment": ".env", "AssignmentError": ".env", "NodeRanks": ".env",
     "assign_ranks": ".env", "worker_env": ".env",
     "DEFAULT_PRELOAD": ".forkserver", "ForkServerError": ".forkserver",
     "PreloadServer": ".forkserver",
-    "GroupStateError": ".group", "WorkerGroup": ".group",
+    "GroupStateError": ".group", "StartInterrupted": ".group", "WorkerGroup": ".group",
     "LogDirError": ".logs",
     "WorkerStartError": ".process",
     "SpecError": ".spec", "Std": ".spec", "WorkerResult": ".spec", "WorkerSpec": ".spec",
@@ -25,19 +26,13 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:
     from .env import Assignment, AssignmentError, NodeRanks, assign_ranks, worker_env
     from .forkserver import DEFAULT_PRELOAD, ForkServerError, PreloadServer
-    from .group import GroupStateError, WorkerGroup
+    from .group import GroupStateError, StartInterrupted, WorkerGroup
     from .logs import LogDirError
     from .process import WorkerStartError
     from .spec import (

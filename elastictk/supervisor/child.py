@@ -9,6 +9,7 @@ does not pay for anything it does not use.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import io
 import os
 import runpy
@@ -16,7 +17,7 @@ import sys
 import traceback
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from .reaper import die_with_parent
+from ..lifetime.reaper import die_with_parent
 
 
 class PassFd:
@@ -110,6 +111,14 @@ def become_worker(
     from ..timer.boot import activate_from_env
 
     activate_from_env()
+    # The hooks the launcher named (fault injection's and the metrics' step counts), by name:
+    # this package imports none of them (subprocess workers: elastictk/faults/env.py).
+    for name in os.environ.get("ELASTICTK_WORKER_HOOKS", "").split(","):
+        if name.strip().startswith("elastictk."):
+            try:
+                importlib.import_module(name.strip()).activate_from_env()
+            except Exception as e:  # noqa: BLE001 - a hook must never stop the worker
+                print(f"elastictk: worker hook {name} is off: {e!r}", file=sys.stderr)
 
 
 def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -132,6 +132,11 @@ class Assignment:
         return self.role_base + local_rank
 
 
+# The agent's secrets: read by the launcher from its own environment, never handed to a worker
+# (a worker runs user code, and its environment is readable by its children and in /proc).
+WITHHELD = frozenset({"ELASTICTK_RDZV_TOKEN"})
+
+
 def worker_env(
     assignment: Assignment,
     *,
@@ -146,10 +151,10 @@ def worker_env(
 
     Layers, later winning: ``base_env`` (the agent's environment), ``extra`` (the spec's env),
     then torchrun's variables. ``OMP_NUM_THREADS`` is only defaulted, and
-    ``CUDA_VISIBLE_DEVICES`` is passed through untouched.
+    ``CUDA_VISIBLE_DEVICES`` is passed through untouched. :data:`WITHHELD` never passes.
     """
-    env = dict(base_env)
-    env.update(extra or {})
+    env = {k: v for k, v in base_env.items() if k not in WITHHELD}
+    env.update({k: v for k, v in (extra or {}).items() if k not in WITHHELD})
     a = assignment
     env.update({
         "RANK": str(a.global_rank(local_rank)),

@@ -20,6 +20,11 @@ session; the agent becomes a child subreaper so orphaned grandchildren come back
 death watch that kills those sessions if the agent is SIGKILLed, the log pump, and the preload
 fork server unless one was passed in. ``close()`` releases all of it.
 
+Hygiene (PIDs are reused): which processes are the workers' is ``sessions.WorkerSessions``'s
+business; the select loop calls its sweep about every ``SWEEP_EVERY`` seconds, never touching
+the workers' or helpers' own exit statuses. A worker's return value is read without blocking,
+so a worker frozen while sending it stalls nothing.
+
 Threading: ``start``/``wait_any``/``stop``/``close`` belong to one thread, which must live as long
 as the workers (the kernel's parent-death signal fires when the *thread* that started a worker
 exits). ``wake`` and ``signal_all`` may be called from any thread or a signal handler.
@@ -33,21 +38,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence
 
-from .deathwatch import DeathWatch
 from .env import Assignment, worker_env
-from .forkserver import DEFAULT_PRELOAD, PreloadServer
+from .forkserver import DEFAULT_PRELOAD, ForkServerError, PreloadServer
 from .logs import (
-    LogPump, RankLogs, claim_run_dir, line_filters, make_attempt_dir, open_rank_logs,
+    Console, LogPump, RankLogs, claim_run_dir, closed_on_error as _closed_on_error, line_filters,
+    make_attempt_dir, make_private_dir, open_rank_logs, open_reified_rank_logs, reified_filters, reify,
 )
 from .process import (
     WorkerProcess, acquire_mp_forkserver, release_mp_forkserver, start_multiprocessing,
     start_preloaded, start_subprocess,
 )
-from .reaper import (
-    acquire_subreaper, reap_orphans, release_subreaper, signal_group, signal_trees, wait_gone,
+from ..lifetime.reaper import (
+    acquire_subreaper, reap_orphans, release_child, release_subreaper, signal_trees, wait_gone,
 )
+from .sessions import SWEEP_EVERY, WorkerSessions
 from .spec import WorkerResult, WorkerSpec, parse_python_argv
 
 # How long stop() waits for SIGKILLed processes and for tee pipes to drain; past this something
@@ -60,24 +66,33 @@ class GroupStateError(RuntimeError):
     """A call that does not fit the group's state (start while an attempt is open, ...)."""
 
 
+class StartInterrupted(RuntimeError):
+    """``interrupt()`` came before every worker had started; those started were stopped.
+
+    Starting many workers takes a while (a fork and a handshake each), and a SIGTERM from a
+    scheduler or ``timeout`` must not wait for the last one: the agent acts within a worker's
+    start time, not after all of them."""
+
+
 class WorkerGroup:
     """Spawns, watches and stops the local workers of one role, one attempt at a time.
 
     ``log_dir`` is the root of the per-run log tree (default: a new temp dir, kept). With
     ``start_method="preload"`` the group starts and owns a fork server importing
     ``preload_modules`` (default ``DEFAULT_PRELOAD``) unless ``preload_server`` is given, which
-    the caller then owns (one server can serve several groups). ``console`` are the fds tee'd
-    lines go to. ``subreaper``/``death_watch`` exist for tests of what happens without them.
+    the caller then owns (one server can serve several groups). ``console`` is where tee'd
+    lines go (fds or text streams; default the caller's ``sys.stdout``/``sys.stderr``).
+    ``subreaper``/``death_watch`` exist for tests of what happens without them.
     """
 
     def __init__(
         self,
         spec: WorkerSpec,
-        log_dir: Union[str, Path, None] = None,
+        log_dir: str | Path | None = None,
         *,
         preload_server: Optional[PreloadServer] = None,
         preload_modules: Optional[Sequence[str]] = None,
-        console: tuple[int, int] = (1, 2),
+        console: tuple[Console, Console] = (None, None),
         subreaper: bool = True,
         death_watch: bool = True,
     ) -> None:
@@ -86,7 +101,7 @@ class WorkerGroup:
         self._console = console
         self._subreaper = subreaper
         self._subreaper_held = False
-        self._watch = DeathWatch() if death_watch else None
+        self._sessions = WorkerSessions(death_watch)
         self._server = preload_server
         self._own_server = preload_server is None
         self._preload_modules = preload_modules
@@ -100,6 +115,8 @@ class WorkerGroup:
         self._pump: Optional[LogPump] = None
         self._pumps: list[LogPump] = []  # one per replacement worker (see respawn)
         self._extra_env: dict[str, str] = {}
+        self._standby = False  # respawn promotes the preload server's standby (keep_standby)
+        self.from_standby: list[int] = []  # pids of replacements that were the standby
         self.replaced: list[WorkerResult] = []
         self._assignment: Optional[Assignment] = None
         self._run_id: Optional[str] = None
@@ -110,6 +127,7 @@ class WorkerGroup:
         self._stopping = False
         self._closed = False
         self._pending_wake = False
+        self._interrupted = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -120,8 +138,7 @@ class WorkerGroup:
         if self._subreaper and not self._subreaper_held:
             acquire_subreaper()
             self._subreaper_held = True
-        if self._watch is not None:
-            self._watch.start()
+        self._sessions.start()
         if self.spec.start_method == "preload":
             self._preload_server().start()
 
@@ -141,33 +158,28 @@ class WorkerGroup:
         spec = self.spec
         assignment.check(spec.local_world_size)
         self.prepare()
-        if self.log_dir is None:
-            # Logs are the record of a failure: a default dir is created and deliberately kept.
-            self.log_dir = Path(tempfile.mkdtemp(prefix="elastictk_"))
-        if self.run_log_dir is None or assignment.run_id != self._run_id:
-            self.run_log_dir = claim_run_dir(self.log_dir, assignment.run_id)
-            self._run_id = assignment.run_id
-        self.attempt_dir = make_attempt_dir(self.run_log_dir, attempt)
+        if spec.logs_specs is None:  # else the LogsSpecs decides (_open_logs)
+            if self.log_dir is None:
+                # Logs are the record of a failure: a default dir is created and deliberately kept.
+                self.log_dir = Path(tempfile.mkdtemp(prefix="elastictk_"))
+            if self.run_log_dir is None or assignment.run_id != self._run_id:
+                self.run_log_dir = claim_run_dir(self.log_dir, assignment.run_id)
+                self._run_id = assignment.run_id
+            self.attempt_dir = make_attempt_dir(self.run_log_dir, attempt)
         self.attempt, self._assignment = attempt, assignment
         self._workers, self._logs, self._results = {}, {}, {}
         self._extra_env = dict(extra_env or {})
-        self.replaced: list[WorkerResult] = []
+        self.replaced = []
         self._stopping = False
         self._open = True
-        pump = self._pump = LogPump(*self._console, filters=line_filters(spec, self.attempt_dir))
-        base_env = dict(os.environ)
         try:
-            envs = {}
-            for lr in range(spec.local_world_size):
-                self._logs[lr] = open_rank_logs(spec, self.attempt_dir, lr,
-                                                assignment.global_rank(lr), pump)
-                envs[lr] = worker_env(
-                    assignment, role=spec.role, local_rank=lr,
-                    local_world_size=spec.local_world_size,
-                    error_file=self._logs[lr].error_file, base_env=base_env,
-                    extra={**spec.env, **self._extra_env})
+            pump, envs = self._open_logs(range(spec.local_world_size), self.attempt_dir)
+            self._pump = pump
             pump.start()
             for lr in range(spec.local_world_size):
+                if self._interrupted:
+                    raise StartInterrupted(f"interrupted after {lr} of {spec.local_world_size} "
+                                           "workers had started; they were stopped")
                 w = self._workers[lr] = self._start_one(lr, envs[lr])
                 self._logs[lr].close_child_ends()
                 self._register(w)
@@ -180,34 +192,87 @@ class WorkerGroup:
     def respawn(self, local_rank: int, restart_count: int, tag: str) -> int:
         """Start a new worker for ``local_rank``, whose exit was observed, within the open
         attempt (in-place recovery: the other workers keep running). Its logs go to
-        ``attempt_<n>/<tag>/<local_rank>/``; it sees ``TORCHELASTIC_RESTART_COUNT=restart_count``.
+        ``attempt_<n>/<tag>/<local_rank>/`` (with ``logs_specs``, where its ``reify`` puts a
+        worker with this restart count, appended to); it sees
+        ``TORCHELASTIC_RESTART_COUNT=restart_count``.
         The old result moves to :attr:`replaced`. Returns the new pid.
         """
         if not self._open or local_rank not in self._results:
             raise GroupStateError(f"local rank {local_rank} has no observed exit in an open "
                                   "attempt; only an exited worker can be replaced")
-        assert self._assignment is not None and self.attempt_dir is not None
+        assert self._assignment is not None
         from dataclasses import replace
 
         self._assignment = replace(self._assignment, restart_count=restart_count)
         self.replaced.append(self._results.pop(local_rank))
-        sub = self.attempt_dir / tag
-        sub.mkdir(exist_ok=True)
-        pump = LogPump(*self._console, filters=line_filters(self.spec, self.attempt_dir))
+        sub = None
+        if self.spec.logs_specs is None:
+            assert self.attempt_dir is not None
+            sub = self.attempt_dir / tag
+            make_private_dir(sub, exist_ok=True)
+        pump, envs = self._open_logs([local_rank], sub, replacement=True)
         self._pumps.append(pump)
-        logs = self._logs[local_rank] = open_rank_logs(
-            self.spec, sub, local_rank, self._assignment.global_rank(local_rank), pump)
-        env = worker_env(
-            self._assignment, role=self.spec.role, local_rank=local_rank,
-            local_world_size=self.spec.local_world_size, error_file=logs.error_file,
-            base_env=dict(os.environ), extra={**self.spec.env, **self._extra_env})
+        logs, env = self._logs[local_rank], envs[local_rank]
         pump.start()
         try:
-            w = self._workers[local_rank] = self._start_one(local_rank, env)
+            w = self._workers[local_rank] = self._start_one(local_rank, env, standby=self._standby)
         finally:
             logs.close_child_ends()
         self._register(w)
+        if getattr(w, "from_standby", False):
+            self.from_standby.append(w.pid)
         return w.pid
+
+    def keep_standby(self) -> bool:
+        """Have the preload server keep one warmed standby that the next ``respawn`` becomes
+        (no fork, no process start; see ``forkserver``); False where workers do not fork
+        from a preload server. The standby is no worker: not in ``pids``, not a rank."""
+        self._check_not_closed()
+        if self.spec.start_method != "preload":
+            return False
+        recipe: dict[str, object] = {"cwd": os.getcwd()}
+        target = None if self.spec.is_function else parse_python_argv(self.spec.argv(0))
+        if target is not None:  # what the standby may import ahead (forkserver._prewarm)
+            recipe.update(kind=target.kind, target=target.target)
+        self._preload_server().keep_standby(recipe)
+        self._standby = True
+        return True
+
+    def _open_logs(self, ranks: Sequence[int], where: Optional[Path], replacement: bool = False
+                   ) -> tuple[LogPump, dict[int, dict[str, str]]]:
+        """Open the logs of ``ranks`` (into ``self._logs``) under ``where`` in elastictk's layout,
+        or where the spec's ``logs_specs`` says; returns their pump and their environments."""
+        spec, a = self.spec, self._assignment
+        assert a is not None
+
+        def env(lr: int, error_file: Optional[str], base: dict[str, str],
+                extra: Optional[dict[str, str]]) -> dict[str, str]:
+            return worker_env(a, role=spec.role, local_rank=lr, local_world_size=spec.local_world_size,
+                              error_file=error_file, base_env=base, extra=extra)
+
+        base, extra = dict(os.environ), {**spec.env, **self._extra_env}
+        envs: dict[int, dict[str, str]] = {}
+        if spec.logs_specs is None:
+            assert where is not None and self.attempt_dir is not None
+            pump = LogPump(*self._console, filters=line_filters(spec, self.attempt_dir))
+            with _closed_on_error(pump):
+                for lr in ranks:
+                    logs = self._logs[lr] = open_rank_logs(spec, where, lr, a.global_rank(lr), pump)
+                    envs[lr] = env(lr, logs.error_file, base, extra)
+            return pump, envs
+        # torch's reify sees torch's variables only, for every local rank, and may change them
+        dest = reify(spec.logs_specs, {lr: env(lr, None, {}, None)
+                                       for lr in range(spec.local_world_size)})
+        if not replacement:
+            self.attempt_dir = dest.attempt_dir
+            self.run_log_dir = dest.run_dir or Path(str(getattr(spec.logs_specs, "root_log_dir", os.devnull)))
+        pump = LogPump(*self._console, filters=reified_filters(spec, dest))
+        with _closed_on_error(pump):
+            for lr in ranks:
+                logs = self._logs[lr] = open_reified_rank_logs(spec, dest, lr, a.global_rank(lr),
+                                                               pump, append=replacement)
+                envs[lr] = {**env(lr, logs.error_file, base, extra), **dest.env[lr]}
+        return pump, envs
 
     def reassign(self, assignment: Assignment, extra_env: Optional[dict[str, str]] = None) -> None:
         """Nodes joined or left while the workers kept running (in-place): later replacements
@@ -220,15 +285,15 @@ class WorkerGroup:
             self._extra_env = dict(extra_env)
 
     def _register(self, w: WorkerProcess) -> None:
-        """Watch a started worker: its death watch, its exit (pidfd) and its result pipe."""
-        if self._watch is not None:
-            self._watch.watch(w.pid)
+        """Watch a started worker: its session, its death watch, its exit (pidfd) and its result
+        pipe. The worker is held (alive or an unreaped zombie), so its start time is its own."""
+        self._sessions.add(w.pid)
         self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
         fd = w.result_fd()
         if fd is not None:
             self._sel.register(fd, selectors.EVENT_READ, ("result", w))
 
-    def _start_one(self, local_rank: int, env: dict[str, str]) -> WorkerProcess:
+    def _start_one(self, local_rank: int, env: dict[str, str], standby: bool = False) -> WorkerProcess:
         spec, logs = self.spec, self._logs[local_rank]
         method = spec.start_method
         if method == "subprocess":
@@ -238,9 +303,11 @@ class WorkerGroup:
             if spec.is_function:
                 return start_preloaded(local_rank, server, env, logs, spec.death_signal,
                                        fn=spec.entrypoint,  # type: ignore[arg-type]
-                                       args=spec.rank_args(local_rank), sys_path=sys.path)
+                                       args=spec.rank_args(local_rank), sys_path=sys.path,
+                                       standby=standby)
             target = parse_python_argv(spec.argv(local_rank))
-            return start_preloaded(local_rank, server, env, logs, spec.death_signal, target=target)
+            return start_preloaded(local_rank, server, env, logs, spec.death_signal, target=target,
+                                   standby=standby)
         import torch.multiprocessing as tmp  # lazily: only function workers need torch here
 
         if method == "forkserver" and not self._mp_forkserver:
@@ -268,8 +335,9 @@ class WorkerGroup:
             fds += self._pump.fds()
         for pump in self._pumps:
             fds += pump.fds()
-        if self._watch is not None and self._watch.fileno() is not None:
-            fds.append(self._watch.fileno())  # type: ignore[arg-type]
+        watch_fd = self._sessions.watch_fd()
+        if watch_fd is not None:
+            fds.append(watch_fd)
         if self._server is not None and self._server.fileno() is not None:
             fds.append(self._server.fileno())  # type: ignore[arg-type]
         for w in self._workers.values():
@@ -277,6 +345,12 @@ class WorkerGroup:
         return fds
 
     # -- watching --------------------------------------------------------------------------
+
+    @property
+    def death_watch_pid(self) -> Optional[int]:
+        """The death watch process's pid (None without one, or before ``prepare``/``start``)."""
+        watch = self._sessions.watch
+        return watch.pid if watch is not None else None
 
     @property
     def running(self) -> list[int]:
@@ -290,6 +364,13 @@ class WorkerGroup:
 
     def pids(self) -> dict[int, int]:
         return {lr: w.pid for lr, w in self._workers.items()}
+
+    def interrupt(self) -> None:
+        """Abandon a ``start`` in progress (it raises :class:`StartInterrupted` before the next
+        worker) and refuse later ones; ``wait_any`` returns. One way: for an agent that is
+        ending. Safe from any thread or signal handler (a flag and a pipe write)."""
+        self._interrupted = True
+        self.wake()
 
     def wake(self) -> None:
         """Make a blocked ``wait_any`` return now. Safe from any thread or signal handler."""
@@ -324,7 +405,9 @@ class WorkerGroup:
                   ignore_wake: bool = False) -> list[WorkerResult]:
         new: list[WorkerResult] = []
         while self.running:
+            self._sessions.sweep()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            remaining = SWEEP_EVERY if remaining is None else min(remaining, SWEEP_EVERY)
             woke = False
             for key, _ in self._sel.select(remaining):
                 kind, w = key.data
@@ -341,13 +424,23 @@ class WorkerGroup:
                 elif kind == "result":
                     if w.take_result():
                         self._sel.unregister(key.fd)
-                elif w.poll() is not None:
+                elif self._exited(w):
                     new.append(self._finish(w))
             if new and stop_on_first or woke:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return new
+
+    def _exited(self, w: WorkerProcess) -> bool:
+        """Its exit fd is readable: pin what is left of its session while the worker is still a
+        zombie holding the session id, then reap it (``poll``) and let the id go."""
+        if w.returncode is None:
+            self._sessions.pin(w.pid)
+        if w.poll() is None:
+            return False
+        self._sessions.released(w.pid)
+        return True
 
     def _finish(self, w: WorkerProcess) -> WorkerResult:
         for fd in (w.exit_fd(), w.result_fd()):
@@ -356,7 +449,8 @@ class WorkerGroup:
                     self._sel.unregister(fd)
                 except KeyError:
                     pass
-        w.close()
+        w.close()  # a preload worker's status pipe: the fork server reaps it now
+        release_child(w.pid)
         assert self._assignment is not None and self.attempt is not None
         logs = self._logs[w.local_rank]
         a = self._assignment
@@ -384,12 +478,11 @@ class WorkerGroup:
         """Forward ``sig`` to every running worker's process group (what a terminal would do);
         for the agent's SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 handlers."""
         for lr, w in list(self._workers.items()):
-            if lr not in self._results and not signal_group(w.pid, sig):
+            if lr in self._results:
+                continue
+            # killpg only while the worker holds its id (alive or our unreaped zombie)
+            if not self._sessions.signal_group(w.pid, sig):
                 w.signal(sig)  # not yet its own group leader (a function worker starting up)
-
-    def _signal_trees(self, sig: int, sessions: Sequence[int]) -> list[Any]:
-        live = {w.pid: w.signal for lr, w in self._workers.items() if lr not in self._results}
-        return signal_trees(live, sessions, sig)
 
     def stop(self, grace: Optional[float] = None, sig: int = signal.SIGTERM) -> dict[int, WorkerResult]:
         """Stop the attempt: ``sig`` to every worker's whole tree, up to ``grace`` seconds
@@ -400,23 +493,25 @@ class WorkerGroup:
             return self.results
         grace = self.spec.grace_period if grace is None else grace
         self._stopping = True
-        # Replaced workers' sessions too: what they left behind dies with the attempt.
-        sessions = [w.pid for w in self._workers.values()] + [r.pid for r in self.replaced]
+        # Replaced workers' sessions too: what they left behind dies with the attempt, as far as
+        # it is proven to be theirs (TrackedSession); their old ids are never signalled.
+        sessions = self._sessions.all()
         deadline = time.monotonic() + grace
         if grace > 0:
-            tree = self._signal_trees(sig, sessions)
+            tree = signal_trees(sessions, sig)
             if sig != signal.SIGCONT:
                 # A frozen worker (SIGSTOP, a fault, a debugger) acts on the signal only once
                 # it runs again; without this it would sit out the whole grace period.
-                self._signal_trees(signal.SIGCONT, sessions)
+                for session in sessions:
+                    session.signal(signal.SIGCONT)
             self._dispatch(deadline, stop_on_first=False, ignore_wake=True)
             wait_gone(tree, max(0.0, deadline - time.monotonic()))
-        self._signal_trees(signal.SIGKILL, sessions)
+        signal_trees(sessions, signal.SIGKILL)
         self._dispatch(time.monotonic() + _KILL_WAIT, stop_on_first=False, ignore_wake=True)
         # A last sweep: descendants orphaned while we were killing their parents.
-        leftovers = self._signal_trees(signal.SIGKILL, sessions)
+        leftovers = signal_trees(sessions, signal.SIGKILL)
         wait_gone(leftovers, _KILL_WAIT)
-        reap_orphans(sessions, skip=sessions)  # workers are reaped by their own objects
+        reap_orphans()  # workers are reaped by their own objects (claimed)
         stuck = self.running
         if stuck:  # only a process in uninterruptible sleep survives SIGKILL this long
             print(f"elastictk: local ranks {stuck} did not exit {_KILL_WAIT:.0f}s after SIGKILL "
@@ -432,11 +527,11 @@ class WorkerGroup:
         for pump in self._pumps:
             pump.close(_PUMP_DRAIN)
         self._pumps = []
-        if self._watch is not None:
-            for sid in sessions:
-                self._watch.unwatch(sid)
         for w in self._workers.values():
             w.close()
+            if w.returncode is not None:
+                release_child(w.pid)
+        self._sessions.end_attempt()
         self._open = False
         return self.results
 
@@ -449,10 +544,14 @@ class WorkerGroup:
                 self.stop()
         finally:
             self._closed = True
-            if self._watch is not None:
-                self._watch.close()
+            self._sessions.close()
             if self._server is not None and self._own_server:
                 self._server.close()
+            elif self._server is not None and self._standby:
+                try:  # a shared server: this group's standby goes with the group
+                    self._server.drop_standby()
+                except ForkServerError:
+                    pass  # the server is gone, and its standby with it
             if self._mp_forkserver:
                 release_mp_forkserver()
                 self._mp_forkserver = False

@@ -12,28 +12,56 @@ rank's ``error.json`` beside them. Unlike torchrun, nothing is ever deleted or o
 
 Redirected streams are written by the worker itself (its fd 1/2 is the file). Tee'd streams go
 through a pipe to one pump thread per attempt that appends each chunk to the file and each line,
-prefixed ``[role<local_rank>]:``, to the agent's console, as it arrives (no file tailing).
+prefixed ``[role<local_rank>]:`` (or ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` filled in), to the
+console, as it arrives (no file tailing). The console is what torchrun's tail threads write to:
+the caller's ``sys.stdout``/``sys.stderr`` as they are when the attempt starts, so a library
+caller of ``main()`` can capture the lines (``contextlib.redirect_stdout``, pytest's ``capsys``);
+while they are the process's own streams the pump writes to their fds directly (bytes as the
+worker wrote them, no decoding).
 With ``duplicate_*_filters`` the pump also appends the tee'd lines that hold a filter string,
 prefixed the same way, to ``attempt_<n>/filtered_{stdout,stderr}.log`` (one file for all ranks,
 replacements included: torchrun's layout).
+
+Logs hold whatever workers print (tokens, paths, data): every directory this module creates is
+mode 0700 and every file 0600, set at creation (the directory modes exactly, whatever the umask).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-from typing import Optional
+from typing import Iterator, Optional, TextIO, TypeAlias
 
 from .spec import Std, WorkerSpec, std_for
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+DIR_MODE = 0o700
+"""Mode of every log directory created here."""
+FILE_MODE = 0o600
+"""Mode of every log file created here."""
 
 
 class LogDirError(RuntimeError):
     """A log directory that cannot be used; the message names the path and the fix."""
+
+
+def make_private_dir(path: Path, exist_ok: bool = False) -> None:
+    """``mkdir`` ``path`` mode 0700 (the umask may only have cleared bits; chmod sets them).
+
+    With ``exist_ok`` an existing directory is left as it is (it is not ours to change).
+    """
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if exist_ok and path.is_dir():
+            return
+        raise
+    os.chmod(path, DIR_MODE)
 
 
 def claim_run_dir(log_dir: Path, run_id: str) -> Path:
@@ -41,13 +69,13 @@ def claim_run_dir(log_dir: Path, run_id: str) -> Path:
     if not run_id or "/" in run_id or run_id in (".", "..") or "\0" in run_id:
         raise LogDirError(f"run id {run_id!r} cannot name a directory; use letters, digits, '-', '_'")
     try:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        os.makedirs(log_dir, mode=DIR_MODE, exist_ok=True)  # a new one private; an old one as is
     except OSError as e:
         raise LogDirError(f"cannot create log dir {log_dir}: {e.strerror}; pass a writable --log-dir") from None
     for n in range(10_000):
         candidate = log_dir / (run_id if n == 0 else f"{run_id}.{n}")
         try:
-            candidate.mkdir()
+            make_private_dir(candidate)
             return candidate
         except FileExistsError:
             continue
@@ -60,7 +88,7 @@ def make_attempt_dir(run_dir: Path, attempt: int) -> Path:
     """``<run_dir>/attempt_<attempt>``, which must not exist yet."""
     path = run_dir / f"attempt_{attempt}"
     try:
-        path.mkdir()
+        make_private_dir(path)
     except FileExistsError:
         raise LogDirError(
             f"{path} already exists: attempt {attempt} was started before; number attempts upward"
@@ -69,8 +97,9 @@ def make_attempt_dir(run_dir: Path, attempt: int) -> Path:
 
 
 def line_prefix(spec: WorkerSpec, local_rank: int, rank: int) -> str:
-    """``[default0]:`` (torchrun's tee header) or the spec's template filled in."""
-    if spec.log_line_prefix_template is None:
+    """``[default0]:`` (torchrun's tee header) or the spec's template filled in; an empty
+    template is no template, as for torchrun (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=``)."""
+    if not spec.log_line_prefix_template:
         return f"[{spec.role}{local_rank}]:"
     return Template(spec.log_line_prefix_template).safe_substitute(
         role_name=spec.role, rank=rank, local_rank=local_rank)
@@ -124,16 +153,56 @@ class LineFilter:
         return [ln for ln in lines if any(n in ln for n in self.needles)]
 
 
+Console: TypeAlias = "int | TextIO | None"
+"""Where tee'd lines go: an fd, a text stream, or None: the caller's ``sys.stdout``/``sys.stderr``
+as they are when the pump is made (torchrun's ``TailLog`` takes ``sys.stdout`` at start)."""
+
+
+class ConsoleSink:
+    """One console stream of a pump: whole lines written as bytes to an fd, or decoded (UTF-8,
+    undecodable bytes replaced, as torchrun's tail reads them) to a text stream and flushed.
+    Errors are swallowed: a closed console must not stall the workers."""
+
+    def __init__(self, target: Console, std: Std) -> None:
+        if target is None:
+            stream: Optional[TextIO] = sys.stdout if std == Std.OUT else sys.stderr
+            target = stream
+            if stream is not None and _is_process_stream(stream, std):
+                try:
+                    stream.flush()
+                    target = stream.fileno()  # the process's own stream: its fd, bytes as is
+                except (OSError, ValueError, AttributeError):
+                    pass
+        self.fd = target if isinstance(target, int) else -1
+        self.stream: Optional[TextIO] = None if isinstance(target, int) else target
+
+    def write(self, data: bytes) -> None:
+        if self.fd >= 0:
+            _write_all(self.fd, data, quiet=True)
+        elif self.stream is not None:
+            try:
+                self.stream.write(data.decode("utf-8", errors="replace"))
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _is_process_stream(stream: TextIO, std: Std) -> bool:
+    """``stream`` is the interpreter's own stdout/stderr (nobody replaced it)."""
+    return stream is (sys.__stdout__ if std == Std.OUT else sys.__stderr__)
+
+
 class LogPump:
     """One thread that copies tee pipes to their files and, prefixed by line, to the console
     (and to the filtered files of ``filters``, by stream)."""
 
-    def __init__(self, console_out: int = 1, console_err: int = 2,
+    def __init__(self, console_out: Console = None, console_err: Console = None,
                  filters: "Optional[dict[Std, LineFilter]]" = None) -> None:
-        self._console = {Std.OUT: console_out, Std.ERR: console_err}
+        self._console = {Std.OUT: ConsoleSink(console_out, Std.OUT),
+                         Std.ERR: ConsoleSink(console_err, Std.ERR)}
         # Appended to, not created exclusively: an in-place replacement's pump shares the file.
         self._filtered = {stream: (f, os.open(f.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                                              | os.O_CLOEXEC, 0o644))
+                                              | os.O_CLOEXEC, FILE_MODE))
                           for stream, f in (filters or {}).items()}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -141,10 +210,10 @@ class LogPump:
         self._thread: Optional[threading.Thread] = None
         self._quit = False
 
-    def add(self, stream: Std, path: str, prefix: Optional[str]) -> int:
-        """A pipe whose data goes to ``path`` and (when ``prefix`` is set) the console;
-        returns the write end for the worker. Register before ``start``."""
-        file_fd = os.open(path, _FILE_FLAGS, 0o644)
+    def add(self, stream: Std, path: str, prefix: Optional[str], flags: int = _FILE_FLAGS) -> int:
+        """A pipe whose data goes to ``path`` (opened with ``flags``) and (when ``prefix`` is
+        set) the console; returns the write end for the worker. Register before ``start``."""
+        file_fd = os.open(path, flags, FILE_MODE)
         r, w = os.pipe2(os.O_CLOEXEC)
         f = self._filtered.get(stream) if prefix is not None else None
         self._sel.register(r, selectors.EVENT_READ, _Source(file_fd, self._console[stream], prefix,
@@ -198,7 +267,7 @@ class LogPump:
     def _lines(self, src: "_Source", lines: list[bytes]) -> None:
         assert src.prefix is not None
         head = src.prefix.encode()
-        _write_all(src.console_fd, b"".join(head + ln + b"\n" for ln in lines), quiet=True)
+        src.console.write(b"".join(head + ln + b"\n" for ln in lines))
         if src.filter is not None:
             picked = src.filter.pick(lines)
             if picked:
@@ -237,7 +306,7 @@ class LogPump:
 @dataclass
 class _Source:
     file_fd: int
-    console_fd: int
+    console: ConsoleSink
     prefix: Optional[str]
     filter: Optional[LineFilter] = None
     filtered_fd: int = -1
@@ -264,7 +333,7 @@ def open_rank_logs(
     tee'd → the console as is, or ``/dev/null`` for a rank outside the filter.
     """
     rank_dir = attempt_dir / str(local_rank)
-    rank_dir.mkdir()
+    make_private_dir(rank_dir)
     logs = RankLogs(local_rank, rank_dir, None, None, str(rank_dir / "error.json"))
     redirect, tee = std_for(spec.redirects, local_rank), std_for(spec.tee, local_rank)
     shown = not spec.local_ranks_filter or local_rank in spec.local_ranks_filter
@@ -277,10 +346,126 @@ def open_rank_logs(
             if tee & stream and shown:
                 fd = pump.add(stream, path, prefix)
             else:
-                fd = os.open(path, _FILE_FLAGS, 0o644)
+                fd = os.open(path, _FILE_FLAGS, FILE_MODE)
         elif not shown:
             fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         if fd is not None:
             logs._owned.append(fd)
         setattr(logs, f"child_{name}", fd)
     return logs
+
+
+# -- a torch LogsSpecs (--logs-specs) decides the layout ------------------------------------------
+
+_SPECS_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC  # torch opens them "w"
+
+
+@dataclass(frozen=True)
+class Reified:
+    """Where one attempt's streams go, as a torch ``LogsSpecs.reify`` decided (``--logs-specs``).
+
+    Per local rank: ``stdouts``/``stderrs`` ("" the console, else a path; ``os.devnull``
+    discards), ``tee`` (the streams whose file is also copied to the console), ``error_files``
+    (``""`` none); ``filtered`` the files of the duplicate filters; ``env`` what ``reify``
+    changed in each rank's environment (torch passes those changes on to the worker, e.g.
+    ``TORCHELASTIC_ERROR_FILE``).
+    """
+
+    stdouts: dict[int, str]
+    stderrs: dict[int, str]
+    tee: dict[int, Std]
+    error_files: dict[int, str]
+    filtered: dict[Std, str]
+    env: dict[int, dict[str, str]]
+
+    @property
+    def attempt_dir(self) -> Optional[Path]:
+        """Where reports beside the logs go (``<dir>/<local_rank>/``): the directory holding the
+        ranks' directories when the error files are ``.../<local_rank>/<file>`` (torch's default
+        layout), else the one directory holding all the error files; None without error files."""
+        files = {lr: Path(f) for lr, f in self.error_files.items() if f}
+        if not files:
+            return None
+        if all(f.parent.name == str(lr) for lr, f in files.items()):
+            return Path(os.path.commonpath([f.parent.parent for f in files.values()]))
+        return Path(os.path.commonpath([f.parent for f in files.values()]))
+
+    @property
+    def run_dir(self) -> Optional[Path]:
+        """The attempt directory's parent when it is named ``attempt_<n>`` (torch's default
+        layout), else the attempt directory itself."""
+        d = self.attempt_dir
+        return d.parent if d is not None and d.name.startswith("attempt_") else d
+
+
+def reify(logs_specs: object, envs: dict[int, dict[str, str]]) -> Reified:
+    """Ask ``logs_specs`` (a ``torch.distributed.elastic.multiprocessing.LogsSpecs``) where the
+    streams of workers with torch's environments ``envs`` go. ``envs`` is left as it was;
+    what ``reify`` changed in it is returned in ``Reified.env``."""
+    view = {lr: dict(env) for lr, env in envs.items()}
+    name = type(logs_specs).__name__
+    try:
+        dest = logs_specs.reify(view)  # type: ignore[attr-defined]
+        out = Reified(
+            stdouts={lr: str(dest.stdouts.get(lr, "")) for lr in envs},
+            stderrs={lr: str(dest.stderrs.get(lr, "")) for lr in envs},
+            tee={lr: (Std.OUT if lr in dest.tee_stdouts else Std.NONE)
+                 | (Std.ERR if lr in dest.tee_stderrs else Std.NONE) for lr in envs},
+            error_files={lr: _no_devnull(str(dest.error_files.get(lr, ""))) for lr in envs},
+            filtered={Std.OUT: str(dest.filtered_stdout or ""), Std.ERR: str(dest.filtered_stderr or "")},
+            env={lr: {k: v for k, v in view[lr].items() if envs[lr].get(k) != v} for lr in envs},
+        )
+    except Exception as e:  # a plugin's bug: one line naming it, not a traceback
+        raise LogDirError(f"--logs-specs {name}.reify failed: {type(e).__name__}: {e}; "
+                          "fix the LogsSpecs class or leave --logs-specs out") from None
+    return out
+
+
+def _no_devnull(path: str) -> str:
+    return "" if path == os.devnull else path
+
+
+def reified_filters(spec: WorkerSpec, dest: Reified) -> "dict[Std, LineFilter]":
+    """The spec's ``duplicate_*_filters`` appending to the files ``dest`` names (skipped where
+    that file cannot be: torch's default layout under ``--log-dir /dev/null``)."""
+    out: dict[Std, LineFilter] = {}
+    for stream, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+        needles, path = getattr(spec, f"duplicate_{name}_filters"), dest.filtered[stream]
+        if needles and path and os.path.isdir(os.path.dirname(path) or "."):
+            out[stream] = LineFilter(tuple(n.encode() for n in needles), path)
+    return out
+
+
+def open_reified_rank_logs(spec: WorkerSpec, dest: Reified, local_rank: int, rank: int,
+                           pump: LogPump, append: bool = False) -> RankLogs:
+    """The fds one rank's worker writes to, where ``dest`` says: a file (truncated, as torch
+    opens it; ``append`` for a replacement worker writing where its predecessor did), the file
+    and the console (tee'd, prefixed), or the console as is."""
+    flags = (_SPECS_FLAGS & ~os.O_TRUNC) | os.O_APPEND if append else _SPECS_FLAGS | os.O_APPEND
+    error_file = dest.error_files[local_rank]
+    logs = RankLogs(local_rank, Path(error_file).parent if error_file else Path(os.devnull),
+                    None, None, error_file)
+    prefix = line_prefix(spec, local_rank, rank)
+    for stream, name, target in ((Std.OUT, "stdout", dest.stdouts[local_rank]),
+                                 (Std.ERR, "stderr", dest.stderrs[local_rank])):
+        fd: Optional[int] = None
+        if target:
+            if target != os.devnull:
+                setattr(logs, f"{name}_path", target)
+            if dest.tee[local_rank] & stream and target != os.devnull:
+                fd = pump.add(stream, target, prefix, flags)
+            else:
+                fd = os.open(target, flags, FILE_MODE)
+            logs._owned.append(fd)
+        setattr(logs, f"child_{name}", fd)
+    return logs
+
+
+@contextlib.contextmanager
+def closed_on_error(pump: LogPump) -> Iterator[None]:
+    """Close ``pump`` (its pipes and files) if opening the ranks' logs into it fails."""
+    try:
+        yield
+    except BaseException:
+        pump.close(0)
+        raise

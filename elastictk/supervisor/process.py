@@ -6,34 +6,111 @@ each: an fd that becomes readable the moment the worker's exit is known (a pidfd
 server's status pipe for workers that are not our children), a non-blocking ``poll`` that reaps
 it through its owner object (so ``subprocess``/``multiprocessing`` bookkeeping never loses a
 child to a stray ``os.wait``), race-free signalling through the pidfd, and the return value.
+
+The return value is read without ever blocking (:class:`ResultReader`): whatever the pipe holds
+is taken as it arrives and the message is decoded once complete, so a worker frozen (SIGSTOP, a
+debugger) in the middle of sending it cannot stall the agent; its value is lost, as after any
+death mid-send, once its exit is seen.
 """
 from __future__ import annotations
 
 import os
 import pickle
-import select
+import struct
 import subprocess
 import time
 from abc import ABC, abstractmethod
 from functools import partial
-from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .child import PassFd, function_main
 from .forkserver import PreloadServer, read_status
 from .logs import RankLogs
-from .reaper import die_with_parent, send_signal
+from ..lifetime.reaper import die_with_parent, send_signal
 from .spec import PythonTarget
+from ..lifetime.ready import readable
 
 
 class WorkerStartError(RuntimeError):
     """A worker could not be started (missing binary, unpicklable function, ...)."""
 
 
+_FRAME = struct.Struct("!i")
+_LONG_FRAME = struct.Struct("!Q")
+_READ_CHUNK = 1 << 20
+_READS_PER_CALL = 64  # then back to the select loop; the rest is read on the next readiness
+
+
+class ResultReader:
+    """A worker's return value from a pipe in ``multiprocessing.Connection`` framing (a 4-byte
+    length, or -1 and an 8-byte length, then the pickle), read non-blockingly."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._buf = bytearray()
+        self.done = False
+        self.value: Any = None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _complete(self) -> bool:
+        buf = self._buf
+        if len(buf) < _FRAME.size:
+            return False
+        (n,) = _FRAME.unpack_from(buf)
+        start = _FRAME.size
+        if n == -1:
+            if len(buf) < start + _LONG_FRAME.size:
+                return False
+            (n,) = _LONG_FRAME.unpack_from(buf, start)
+            start += _LONG_FRAME.size
+        if n < 0 or len(buf) < start + n:
+            return False
+        try:
+            self.value = pickle.loads(memoryview(buf)[start:start + n])
+        except Exception:  # noqa: BLE001 - a value that cannot be rebuilt here is no value
+            self.value = None
+        self._buf = bytearray()
+        self.done = True
+        return True
+
+    def read(self, final: bool = False) -> bool:
+        """Take what the pipe holds now (a bounded number of reads); True once nothing more can
+        arrive: the value decoded, EOF, or ``final`` (the worker has exited, and a writer that
+        has exited left everything in the pipe: what is not there now never will be)."""
+        if self.done:
+            return True
+        for _ in range(_READS_PER_CALL):
+            try:
+                chunk = os.read(self._fd, _READ_CHUNK)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:  # EOF: the worker closed its end, finished or not
+                self._complete()
+                self.done = True
+                return True
+            self._buf += chunk
+            if self._complete():
+                return True
+        if final:
+            self._buf = bytearray()
+            self.done = True
+        return self.done
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class WorkerProcess(ABC):
     """A started worker: exit notification fd, non-blocking reap, signalling, return value."""
 
-    def __init__(self, local_rank: int, pid: int, result: Optional[Connection] = None) -> None:
+    def __init__(self, local_rank: int, pid: int, result: Optional[ResultReader] = None) -> None:
         self.local_rank = local_rank
         self.pid = pid
         self.started_at = time.monotonic()
@@ -61,18 +138,15 @@ class WorkerProcess(ABC):
             return None
         return self._result.fileno()
 
-    def take_result(self) -> bool:
-        """Receive the return value if it is waiting; True once nothing more can arrive."""
+    def take_result(self, final: bool = False) -> bool:
+        """Read what has arrived of the return value, never blocking; True once nothing more
+        can arrive. ``final`` (the worker has exited): give up on what is missing."""
         if self._result is None or self._result_done:
             return True
-        try:
-            if not self._result.poll(0):
-                return False
-            self.return_value = self._result.recv()
-        except (EOFError, OSError, pickle.UnpicklingError):
-            pass
-        self._result_done = True
-        return True
+        if self._result.read(final):
+            self.return_value = self._result.value
+            self._result_done = True
+        return self._result_done
 
     def poll(self) -> Optional[int]:
         """The return code once the worker has exited (reaping it); never blocks.
@@ -85,7 +159,7 @@ class WorkerProcess(ABC):
                 return None
             self.ended_at = time.monotonic()
             self.returncode = rc
-            self.take_result()
+            self.take_result(final=True)
         return self.returncode
 
     def signal(self, sig: int) -> bool:
@@ -131,7 +205,7 @@ class SubprocessWorker(WorkerProcess):
 class MultiprocessingWorker(WorkerProcess):
     """A function worker started by a ``torch.multiprocessing`` context."""
 
-    def __init__(self, local_rank: int, process: Any, result: Connection) -> None:
+    def __init__(self, local_rank: int, process: Any, result: ResultReader) -> None:
         self._process = process
         super().__init__(local_rank, process.pid, result)
 
@@ -152,21 +226,22 @@ class PreloadWorker(WorkerProcess):
     """A worker forked by the preload server; its exit arrives on a status pipe."""
 
     def __init__(self, local_rank: int, pid: int, status_fd: int, death_signal: int,
-                 result: Optional[Connection]) -> None:
+                 result: Optional[ResultReader]) -> None:
         self._status = status_fd
         self._death_signal = death_signal
+        self.from_standby = False  # a promoted standby, not a fresh fork
         super().__init__(local_rank, pid, result)
 
     def exit_fd(self) -> int:
         return self._status
 
     def _reap(self) -> Optional[int]:
-        if not select.select([self._status], [], [], 0)[0]:
+        if not readable([self._status], 0):
             return None
         rc = read_status(self._status)
         if rc is None:  # the server died; the worker dies of its death signal
             if self._pidfd is not None:
-                select.select([self._pidfd], [], [], 5.0)
+                readable([self._pidfd], 5.0)
             rc = -self._death_signal
         return rc
 
@@ -204,7 +279,7 @@ def start_multiprocessing(local_rank: int, ctx: Any, fn: Callable[..., Any],
     """Start ``fn(*args)`` with ``ctx`` (spawn/fork/forkserver); ``inherited`` are agent fds a
     fork child closes first."""
     r, w = os.pipe2(os.O_CLOEXEC)
-    reader = Connection(r, writable=False)
+    reader = ResultReader(r)
     method = ctx.get_start_method()
     out = PassFd(logs.child_stdout) if logs.child_stdout is not None else None
     err = PassFd(logs.child_stderr) if logs.child_stderr is not None else None
@@ -229,8 +304,10 @@ def start_multiprocessing(local_rank: int, ctx: Any, fn: Callable[..., Any],
 def start_preloaded(local_rank: int, server: PreloadServer, env: Mapping[str, str],
                     logs: RankLogs, death_signal: int, *, target: Optional[PythonTarget] = None,
                     fn: Optional[Callable[..., Any]] = None,
-                    args: tuple[Any, ...] = (), sys_path: Sequence[str] = ()) -> PreloadWorker:
-    """Fork a worker from the preload server: a script/module ``target`` or a function."""
+                    args: tuple[Any, ...] = (), sys_path: Sequence[str] = (),
+                    standby: bool = False) -> PreloadWorker:
+    """Fork a worker from the preload server: a script/module ``target`` or a function;
+    ``standby``: the server's standby becomes it, if it holds one (``from_standby``)."""
     status_r, status_w = os.pipe2(os.O_CLOEXEC)
     fds: dict[str, int] = {"status": status_w}
     if logs.child_stdout is not None:
@@ -239,7 +316,7 @@ def start_preloaded(local_rank: int, server: PreloadServer, env: Mapping[str, st
         fds["stderr"] = logs.child_stderr
     header: dict[str, Any] = {"env": dict(env), "cwd": os.getcwd(), "death_signal": death_signal}
     payload = b""
-    reader: Optional[Connection] = None
+    reader: Optional[ResultReader] = None
     result_w: Optional[int] = None
     if fn is not None:
         try:
@@ -250,14 +327,14 @@ def start_preloaded(local_rank: int, server: PreloadServer, env: Mapping[str, st
             raise WorkerStartError(f"cannot pickle the worker function for local rank "
                                    f"{local_rank}: {type(e).__name__}: {e}") from None
         r, result_w = os.pipe2(os.O_CLOEXEC)
-        reader = Connection(r, writable=False)
+        reader = ResultReader(r)
         fds["result"] = result_w
         header.update(kind="function", sys_path=list(sys_path))
     else:
         assert target is not None
         header.update(kind=target.kind, target=target.target, args=list(target.args))
     try:
-        pid = server.spawn(header, fds, payload)
+        pid = server.spawn(header, fds, payload, standby=standby)
     except Exception:
         os.close(status_r)
         if reader is not None:
@@ -268,7 +345,9 @@ def start_preloaded(local_rank: int, server: PreloadServer, env: Mapping[str, st
         if result_w is not None:
             os.close(result_w)
     os.set_blocking(status_r, False)
-    return PreloadWorker(local_rank, pid, status_r, death_signal, reader)
+    worker = PreloadWorker(local_rank, pid, status_r, death_signal, reader)
+    worker.from_standby = standby and server.last_from_standby
+    return worker
 
 
 # multiprocessing's forkserver is one per process; groups using it share it, and the last one

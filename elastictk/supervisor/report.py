@@ -21,9 +21,9 @@ from .errors import ErrorFileUnreadable, ErrorRecord, read_error_file
 from .tail import MAX_TAIL_LINES, TAIL_LINES, pick_tail, read_tail
 
 __all__ = [
-    "FailureReport", "ProcessFailure", "WorkerExit", "WorkerGroupFailed", "WorkerOutcome",
+    "FailureReport", "ProcessFailure", "WorkerExit", "WorkerOutcome",
     "describe_exit", "failure_of", "is_failure", "signal_label", "signal_number",
-    "render_report", "MAX_TAIL_LINES", "TAIL_LINES", "pick_tail", "read_tail",
+    "MAX_TAIL_LINES", "TAIL_LINES", "pick_tail", "read_tail",
 ]
 
 SCHEMA = "elastictk.failure/1"
@@ -148,7 +148,8 @@ class ProcessFailure:
     def cause(self, limit: int = 100) -> str:
         """A noun phrase for one-line messages: ``rank 1's SIGSEGV (signal 11)``."""
         if self.hang is not None:
-            return f"{self.hang} (watchdog timer expired)"
+            # a timer's headline gets its cause; the progress watchdog's names itself
+            return self.hang if "(progress watchdog)" in self.hang else f"{self.hang} (watchdog timer expired)"
         what = self.error.message if self.error is not None else self.exit_description
         what = " ".join(what.split())
         if len(what) > limit:
@@ -284,7 +285,11 @@ class FailureReport:
                 f"first: {root.cause()}")
 
     def render(self) -> str:
-        return render_report(self)
+        """Deprecated: ``elastictk.supervisor.report_text.render_text(report)``, which keeps
+        the wording apart from the data (this method goes in elastictk 0.3)."""
+        from .._moved import moved_call
+
+        return str(moved_call("FailureReport.render()", "elastictk.supervisor.report_text:render_text", self))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -305,37 +310,8 @@ class FailureReport:
         )
 
 
-def render_report(report: FailureReport) -> str:
-    """A readable multi-line block; the wording lives in report_text.py."""
-    from .report_text import render_text
+def __getattr__(name: str) -> object:
+    from .._moved import moved_attribute
 
-    return render_text(report)
-
-
-class WorkerGroupFailed(RuntimeError):
-    """Raised by a launcher whose workers failed; carries the report.
-
-    Under ``@elastictk.record`` its ``error_file_payload`` sends the root cause's own error file
-    upward (with ``errorCode`` set, as torch's ``ChildFailedError`` does) so a scheduler above a
-    nested launcher sees the worker's traceback, not the launcher's.
-    """
-
-    def __init__(self, report: FailureReport) -> None:
-        self.report = report
-        super().__init__(report.render())
-
-    def error_file_payload(self) -> dict[str, Any]:
-        root = self.report.root_cause
-        if root is None:
-            raise ValueError("no failure to report")
-        if root.error is not None and isinstance(root.error.raw.get("message"), dict):
-            message = dict(root.error.raw["message"])
-            message["errorCode"] = root.error_code
-            return {**root.error.raw, "message": message}
-        stamp = int(root.ended_wall if root.ended_wall is not None else time.time())
-        detail = "\n".join(root.stderr_tail) or root.exit_description
-        return {"message": {
-            "message": f"{root.cause()} (pid {root.pid}, host {root.hostname})",
-            "extraInfo": {"py_callstack": detail, "timestamp": str(stamp)},
-            "errorCode": root.error_code,
-        }}
+    return moved_attribute(__name__, name, dict.fromkeys(
+        ("WorkerGroupFailed", "render_report"), "elastictk.supervisor.report_text"))

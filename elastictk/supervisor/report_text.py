@@ -1,18 +1,17 @@
 """How a failure report reads: the root cause in full (traceback, or the stderr tail and why),
-the other failures one line each, in the order the supervisor observed them.
+the other failures one line each, in the order the supervisor observed them; and the exception
+a launcher raises with that text.
 
 Apart from ``report.py`` so the data (built, serialized, sent upward as an error file) and its
-wording change separately.
+wording change separately; this module reads the data, never the other way round.
 """
 from __future__ import annotations
 
+import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Iterable
 
-from .report import signal_number
-
-if TYPE_CHECKING:
-    from .report import FailureReport, ProcessFailure
+from .report import FailureReport, ProcessFailure, signal_number
 
 
 def _when(f: ProcessFailure) -> str:
@@ -83,3 +82,37 @@ def render_text(report: FailureReport) -> str:
                              f"{what}, {later:+.2f}s{tag}")
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
+
+
+def render_report(report: FailureReport) -> str:
+    """The same as :func:`render_text` (its name before the split)."""
+    return render_text(report)
+
+
+class WorkerGroupFailed(RuntimeError):
+    """Raised by a launcher whose workers failed; carries the report.
+
+    Under ``@elastictk.record`` its ``error_file_payload`` sends the root cause's own error file
+    upward (with ``errorCode`` set, as torch's ``ChildFailedError`` does) so a scheduler above a
+    nested launcher sees the worker's traceback, not the launcher's.
+    """
+
+    def __init__(self, report: FailureReport) -> None:
+        self.report = report
+        super().__init__(render_text(report))
+
+    def error_file_payload(self) -> dict[str, Any]:
+        root = self.report.root_cause
+        if root is None:
+            raise ValueError("no failure to report")
+        if root.error is not None and isinstance(root.error.raw.get("message"), dict):
+            message = dict(root.error.raw["message"])
+            message["errorCode"] = root.error_code
+            return {**root.error.raw, "message": message}
+        stamp = int(root.ended_wall if root.ended_wall is not None else time.time())
+        detail = "\n".join(root.stderr_tail) or root.exit_description
+        return {"message": {
+            "message": f"{root.cause()} (pid {root.pid}, host {root.hostname})",
+            "extraInfo": {"py_callstack": detail, "timestamp": str(stamp)},
+            "errorCode": root.error_code,
+        }}

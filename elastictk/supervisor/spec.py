@@ -12,7 +12,7 @@ import re
 import signal as _signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 FUNCTION_METHODS = ("spawn", "fork", "forkserver", "preload")
 ARGV_METHODS = ("subprocess", "preload")
@@ -32,7 +32,7 @@ class Std(enum.IntFlag):
     ALL = 3
 
     @classmethod
-    def parse(cls, text: str) -> "Union[Std, dict[int, Std]]":
+    def parse(cls, text: str) -> "Std | dict[int, Std]":
         """``"3"`` → ``Std.ALL``; ``"0:3,1:0"`` → ``{0: Std.ALL, 1: Std.NONE}`` (torchrun syntax)."""
         text = text.strip()
         if re.fullmatch(r"[0-3]", text):
@@ -49,7 +49,7 @@ class Std(enum.IntFlag):
         )
 
 
-StdSetting = Union[Std, Mapping[int, Std]]
+StdSetting = Std | Mapping[int, Std]
 
 
 def std_for(setting: StdSetting, local_rank: int) -> Std:
@@ -119,12 +119,14 @@ class WorkerSpec:
     ``duplicate_stdout_filters``/``duplicate_stderr_filters``: tee'd lines holding any of these
     strings are also appended, prefixed, to ``<attempt dir>/filtered_{stdout,stderr}.log``
     (all ranks in one file, torchrun's ``--duplicate-*-filters``).
+    ``logs_specs`` (a torch ``LogsSpecs``, torchrun's ``--logs-specs``) takes over where the
+    streams and error files go: its ``reify`` decides per attempt instead of elastictk's layout.
     ``grace_period`` is how long ``stop`` waits after SIGTERM before SIGKILL. ``death_signal``
     is what a worker receives when its agent dies (SIGKILL: a world without its agent cannot
     be restarted, so nothing is gained by letting it linger).
     """
 
-    entrypoint: Union[Callable[..., Any], Sequence[str]]
+    entrypoint: Callable[..., Any] | Sequence[str]
     args: tuple[Any, ...] = ()
     local_world_size: int = 1
     role: str = "default"
@@ -136,6 +138,7 @@ class WorkerSpec:
     log_line_prefix_template: Optional[str] = None
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
+    logs_specs: Optional[object] = field(default=None, compare=False)
     grace_period: float = 30.0
     death_signal: int = int(_signal.SIGKILL)
 

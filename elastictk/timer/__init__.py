@@ -33,7 +33,7 @@ __all__ = [
     "TimerServer", "Expiry", "ProcessHandle",
 ]
 
-_LAZY = {"TimerServer": ".server", "Expiry": ".expiry", "ProcessHandle": ".proc"}
+_LAZY = {"TimerServer": ".server", "Expiry": ".expiry", "ProcessHandle": "..lifetime.handle"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 from . import layout as L
 
 SITE_DIR = str(Path(__file__).resolve().parent / "_site")
+ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"  # worker hooks the site dir activates too (see _site)
 
 
 def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -53,15 +54,19 @@ def worker_env(regions: str, *, collective_timeout: Optional[float] = None,
     """The variables a worker needs for timers in the agent's region file ``regions``.
 
     ``base_env`` is the environment the worker would otherwise get (default: this process's),
-    used only to keep an existing ``PYTHONPATH`` after :data:`SITE_DIR`.
+    used to keep an existing ``PYTHONPATH`` after :data:`SITE_DIR`. :data:`SITE_DIR` goes on
+    ``PYTHONPATH`` for a collective timeout and also when ``base_env`` names worker hooks
+    (``ELASTICTK_WORKER_HOOKS``: the metrics' optimizer-step count), so fresh-interpreter
+    workers activate them as forked ones do.
     """
     env = {L.ENV_REGIONS: regions}
+    base = os.environ if base_env is None else base_env
     if collective_timeout is not None:
         if not 0 < collective_timeout <= 1e9:
             raise ValueError(f"collective timeout {collective_timeout!r} must be > 0 seconds; "
                              "pass e.g. --collective-timeout 300")
         env[L.ENV_COLLECTIVE_TIMEOUT] = repr(float(collective_timeout))
-        base = os.environ if base_env is None else base_env
+    if collective_timeout is not None or base.get(ENV_HOOKS, "").strip():
         rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
         env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *rest])
     return env

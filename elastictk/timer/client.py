@@ -61,7 +61,19 @@ _table_len = 0  # bytes of the region's scope table written so far
 _table_full = False
 
 _pack = L.U64.pack_into
+_unpack = L.U64.unpack_from
 _mono = time.monotonic_ns
+_NEXT = L.OFF_NEXT_SCAN
+_wake_fd = -1  # the agent's wake pipe (see layout): written when a timer is due before its look
+
+
+def _wake() -> None:
+    """Tell the agent a timer is due before its next planned look (a byte on its pipe)."""
+    if _wake_fd >= 0:
+        try:
+            os.write(_wake_fd, b"\0")
+        except OSError:  # full: a wake-up is pending anyway; gone: the agent is gone
+            pass
 
 
 class TimerError(RuntimeError):
@@ -91,7 +103,10 @@ class Timer:
             slot = _free.pop()
         except IndexError:
             slot = _take_slot_slow()
-        _pack(_buf, slot, (_mono() | 0xFFFF) + self._k)
+        word = (_mono() | 0xFFFF) + self._k
+        _pack(_buf, slot, word)
+        if word < _unpack(_buf, _NEXT)[0]:
+            _wake()
         self._slot = slot
         return self
 
@@ -137,7 +152,10 @@ class Timer:
                 slot = _free.pop()
             except IndexError:
                 slot = _take_slot_slow()
-            _pack(_buf, slot, (_mono() | 0xFFFF) + k)
+            word = (_mono() | 0xFFFF) + k
+            _pack(_buf, slot, word)
+            if word < _unpack(_buf, _NEXT)[0]:
+                _wake()
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -282,7 +300,7 @@ def attach(regions: str, local_rank: int) -> None:
 
 def _attach_locked(path: str, local_rank: int) -> None:
     global _buf, _free, _attached, _inert_reason, _mmap, _stacks_fd, _table_len, _table_full
-    global _region_fd
+    global _region_fd, _wake_fd
     if _attached is not None:
         raise TimerError(f"timers of this process are already attached to {_attached}")
     if len(_free) not in (0, L.SLOTS):
@@ -324,6 +342,7 @@ def _attach_locked(path: str, local_rank: int) -> None:
         os.close(fd)  # also drops the claim
         raise
     buf = memoryview(mm)
+    _wake_fd = _open_wake(path, L.U32.unpack_from(buf, L.OFF_WAKE_FD)[0])
     _buf, _mmap, _stacks_fd, _region_fd = buf, mm, sfd, fd
     _table_len, _table_full = 0, False
     for name in _names:
@@ -333,6 +352,27 @@ def _attach_locked(path: str, local_rank: int) -> None:
     L.U64.pack_into(buf, L.OFF_OWNER, os.getpid())  # last: the agent may now act on this region
     _attached, _inert_reason = f"{path} region {local_rank}", None
     _free = L.slot_offsets()
+
+
+def attach_from_env() -> bool:
+    """Attach this process's region now rather than on its first timer, so the agent can ask
+    it for a stack dump (the progress watchdog does, before it kills a rank that stopped
+    making progress) even if it never uses a timer. True if attached; never raises."""
+    with _lock:
+        if _attached is None and not _free:
+            _attach_from_env_locked()
+        return _attached is not None
+
+
+def _open_wake(regions_path: str, wake_fd: int) -> int:
+    """The agent's wake pipe, or -1 (then the agent still looks every idle interval)."""
+    path = L.wake_path(regions_path, wake_fd)
+    if path is None:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _attach_from_env_locked() -> None:
@@ -363,8 +403,9 @@ def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, ...) must not write its parent's region: it gets
     private, inert slots unless it attaches a region of its own."""
     global _buf, _free, _attached, _inert_reason, _mmap, _stacks_fd, _region_fd, _lock
-    global _forked_env
+    global _forked_env, _wake_fd
     _lock = threading.Lock()
+    _wake_fd = -1  # inert slots never wake the agent (the fd stays open, as the others)
     _forked_env = os.environ.get(L.ENV_REGIONS)
     was = _attached
     _buf = bytearray(L.REGION_SIZE)
@@ -393,10 +434,13 @@ def status() -> dict[str, Any]:
 def detach() -> None:
     """Stop using the region and forget whether the environment named one (only while no timer
     is held): the next timer attaches afresh. For tools that attach explicitly, and tests."""
-    global _buf, _free, _attached, _inert_reason, _mmap, _stacks_fd, _region_fd
+    global _buf, _free, _attached, _inert_reason, _mmap, _stacks_fd, _region_fd, _wake_fd
     with _lock:
         if _free and len(_free) != L.SLOTS:
             raise TimerError("timers are still held")
+        if _wake_fd >= 0:
+            os.close(_wake_fd)
+            _wake_fd = -1
         if _attached is not None:
             L.U64.pack_into(_buf, L.OFF_OWNER, 0)
             faulthandler.unregister(L.U32.unpack_from(_buf, L.OFF_SIGNAL)[0])

@@ -101,7 +101,36 @@ def _patch(c10d: ModuleType, timeout: float, ops: Sequence[str]) -> None:
             if getattr(ns, name, None) is fn:
                 setattr(ns, name, wrapped)
         _patched[name] = fn
+    _patch_init(c10d, timeout)
     _patch_wait(c10d, timeout)
+
+
+def _patch_init(c10d: ModuleType, timeout: float) -> None:
+    """``init_process_group`` without a ``timeout`` gets this one: the backend then gives up on
+    a collective (C++ ones included: DDP's gradient buckets) after the launcher's collective
+    timeout instead of its own default (30 minutes for gloo and NCCL)."""
+    fn: Any = getattr(c10d, "init_process_group", None)
+    if fn is None or not callable(fn):
+        return
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("timeout") is None and (len(args) < 3 or args[2] is None):
+            import datetime
+
+            given = datetime.timedelta(seconds=timeout)
+            if len(args) >= 3:  # (backend, init_method, timeout, ...)
+                args = (*args[:2], given, *args[3:])
+            else:
+                kwargs["timeout"] = given
+        return fn(*args, **kwargs)
+
+    init_process_group.__doc__ = fn.__doc__
+    init_process_group.__wrapped__ = fn  # type: ignore[attr-defined]
+    setattr(init_process_group, _ORIGINAL, fn)
+    for ns in _namespaces(c10d):
+        if getattr(ns, "init_process_group", None) is fn:
+            setattr(ns, "init_process_group", init_process_group)
+    _patched["init_process_group"] = fn
 
 
 def _unpatch(c10d: ModuleType) -> None:

@@ -15,6 +15,8 @@ one aligned store)::
     24    owner pid        u64 (written by the worker once it has claimed the region)
     32    main thread id   u64 (pthread id of the owner's main thread, to find it in a dump)
     40    scope table len  u64 (bytes of the scope table in use)
+    48    next scan        u64 (by the agent: it looks at the region by this monotonic ns)
+    56    wake fd          u32 (by the agent: its wake pipe's write end, in its own fd table)
     64    slots            SLOTS x u64 timer words
     1024  scope table      "name\\n" entries; an entry's index is its scope id
 
@@ -28,10 +30,17 @@ computed by the worker as ``(now | 0xFFFF) + k`` with ``k = round_up(after, 2**1
 moves the deadline up one step and leaves ``scope_id`` behind). ``now`` and the deadline are
 ``CLOCK_MONOTONIC`` nanoseconds, which on Linux is one clock for every process of the host, so
 the worker's deadline and the agent's "now" compare directly. A timer therefore fires between 0
-and 131 µs later than asked, far below the reaper's ~10 ms scan period. A slot only ever
+and 131 µs later than asked, far below the reaper's wake-up latency. A slot only ever
 goes free -> armed -> free (CPython's ``pack_into`` zeroes the field, then stores the value), so
 a scan may miss a timer armed that instant (the next scan sees it) but never acts on a mixed
 word; the agent still re-reads an expired word before acting, in case a platform splits stores.
+
+The agent does not poll on a short tick. Before each scan it writes ``next scan``, the latest
+time it will look again (the earliest deadline it knows of, at most its idle interval ahead),
+and sleeps on a pipe until then. A worker that arms a timer due *before* that time writes one
+byte to the pipe (``/proc/<agent pid>/fd/<wake fd>``, opened when it claims the region): the
+only syscall on the hot path, and only for a timer shorter than the agent's planned sleep. An
+idle job's reaper so wakes once per idle interval instead of a hundred times a second.
 
 A worker claims its region with a POSIX record lock on the region's bytes (released by the
 kernel when the process dies, never inherited by its children), so two processes that both
@@ -46,7 +55,7 @@ import struct
 from typing import Optional
 
 MAGIC = b"ETKTIMR1"
-VERSION = 1
+VERSION = 2
 REGION_SIZE = 16384  # four pages: an mmap offset must be page aligned
 SLOTS = 120
 SLOTS_OFFSET = 64
@@ -62,6 +71,8 @@ OFF_STACKS_FD = 20
 OFF_OWNER = 24
 OFF_MAIN_THREAD = 32
 OFF_TABLE_LEN = 40
+OFF_NEXT_SCAN = 48
+OFF_WAKE_FD = 56
 
 SCOPE_BITS = 16
 SCOPE_MASK = (1 << SCOPE_BITS) - 1
@@ -103,11 +114,22 @@ def decode(word: int) -> tuple[int, int]:
     return word & DEADLINE_MASK, word & SCOPE_MASK
 
 
-def init_region(buf: memoryview, offset: int, dump_signal: int) -> None:
+def init_region(buf: memoryview, offset: int, dump_signal: int, wake_fd: int = 0) -> None:
     """Write a fresh header (and zero the rest) for the region at ``offset``: what the agent
-    does before any worker of an attempt starts."""
+    does before any worker of an attempt starts. ``next scan`` starts in the far future: a
+    worker's timers wake the agent until it has looked at the region once."""
     buf[offset:offset + REGION_SIZE] = bytes(REGION_SIZE)
     HEADER.pack_into(buf, offset, MAGIC, VERSION, SLOTS, dump_signal, 0, 0, 0, 0)
+    U64.pack_into(buf, offset + OFF_NEXT_SCAN, 0xFFFF_FFFF_FFFF_FFFF)
+    U32.pack_into(buf, offset + OFF_WAKE_FD, wake_fd)
+
+
+def wake_path(regions_path: str, wake_fd: int) -> Optional[str]:
+    """``/proc/<agent pid>/fd/<wake fd>`` for regions at ``/proc/<agent pid>/fd/<fd>``."""
+    parts = regions_path.split("/")
+    if wake_fd <= 0 or len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd":
+        return None
+    return f"/proc/{parts[2]}/fd/{wake_fd}"
 
 
 def stacks_path(owner_pid: int, stacks_fd: int) -> str:

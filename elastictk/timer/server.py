@@ -15,16 +15,18 @@ How an agent uses it (one server per worker group, for the agent's whole life)::
     ...
     server.close()
 
-Reaping, in order: see a deadline pass (a scan every ``scan_interval``, or sooner when a known
-deadline is due), read the word again to be sure, check that the process is still the one
+Reaping, in order: see a deadline pass (the reaper sleeps until the earliest deadline it knows
+of, at most ``scan_interval``, and a worker arming a timer due sooner wakes it: see
+``layout``), read the word again to be sure, check that the process is still the one
 registered (pidfd + start time), send the dump signal (plus SIGCONT if the worker is stopped,
 so it can run the handler), wait until the dump stops growing (at most ``dump_timeout``), write
 the hang report, hand the :class:`Expiry` to the agent, then SIGKILL. Several workers expiring
 together are dumped together. A worker is reaped at most once per ``watch``.
 
-The periodic scan is the price of a free hot path: the worker tells nobody when it arms a timer
-(that would be a syscall), so the agent has to look. A scan of an idle region is one comparison
-of 960 bytes against zeros.
+The hot path stays free: a worker tells the agent about a timer only when it is due before the
+agent's next planned look, which for the timers a job holds (collectives of seconds or minutes)
+is rare; an idle job's reaper wakes once per ``scan_interval``. A scan of an idle region is one
+comparison of 960 bytes against zeros.
 """
 from __future__ import annotations
 
@@ -37,13 +39,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional
 
 from . import layout as L
 from .boot import worker_env
 from .expiry import Expiry, report_file, write_report
-from .proc import ProcessHandle, in_tree, signal_state
+from ..lifetime.handle import ProcessHandle
+from ..lifetime.procfs import in_tree, signal_state
 from .stacks import culprit, parse
+from ..lifetime.ready import readable
 
 log = logging.getLogger("elastictk.timer")
 
@@ -98,7 +102,7 @@ class TimerServer:
         local_world_size: int,
         *,
         on_expiry: Optional[Callable[[Expiry], None]] = None,
-        scan_interval: float = 0.01,
+        scan_interval: float = 1.0,
         dump_timeout: float = 1.0,
         dump_quiet: float = 0.02,
         dump_signal: int = L.DEFAULT_DUMP_SIGNAL,
@@ -119,13 +123,15 @@ class TimerServer:
         self.dump_quiet = dump_quiet
         self.dump_signal = int(dump_signal)
         self._on_expiry = on_expiry
+        # Workers write a byte here when they arm a timer due before the next planned scan.
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._fd = os.memfd_create("elastictk-timer", os.MFD_CLOEXEC)
         size = local_world_size * L.REGION_SIZE
         os.ftruncate(self._fd, size)
         self._mmap = mmap.mmap(self._fd, size)
         self._buf = memoryview(self._mmap)
         for lr in range(local_world_size):
-            L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal)
+            L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal, self._wake_w)
         #: What workers open; valid while this server (and so this process) lives.
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self._lock = threading.RLock()
@@ -152,7 +158,7 @@ class TimerServer:
             self._thread.start()
 
     def watch(self, pids: Mapping[int, int], *, ranks: Optional[Mapping[int, int]] = None,
-              report_dir: Union[str, Path, None] = None) -> None:
+              report_dir: str | Path | None = None) -> None:
         """Watch the workers of an attempt: local rank -> PID (``group.pids()``), their global
         ranks (default: the local rank), and where hang reports go (the attempt's log dir)."""
         for lr, pid in pids.items():
@@ -160,7 +166,7 @@ class TimerServer:
 
     def watch_worker(self, local_rank: int, pid: int, *, rank: Optional[int] = None,
                      start_time: Optional[int] = None,
-                     report_dir: Union[str, Path, None] = None) -> None:
+                     report_dir: str | Path | None = None) -> None:
         """Watch one worker. ``start_time`` (``/proc`` clock ticks) pins the process; by default
         it is read now, which is right while the agent has not reaped the worker yet."""
         self._check_open()
@@ -187,7 +193,52 @@ class TimerServer:
                 w = self._workers.pop(lr, None)
                 if w is not None:
                     self._close_worker(w)
-                L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal)
+                L.init_region(self._buf, lr * L.REGION_SIZE, self.dump_signal, self._wake_w)
+        self._wake()
+
+    def dump_stacks(self, local_ranks: Optional[list[int]] = None) -> dict[int, tuple[int, str, str]]:
+        """Dump the stacks of running workers without killing them (the progress watchdog's
+        first look): local rank -> (pid, dump text, note). A worker whose timers are not
+        attached (no handler for the dump signal), or that is stopped or gone, gets no signal
+        and an empty text with a note saying why; so does one that did not dump within
+        ``dump_timeout``. Several workers are dumped together."""
+        out: dict[int, tuple[int, str, str]] = {}
+        with self._lock:
+            if self._closed:
+                return out
+            victims: list[_Victim] = []
+            for lr in sorted(self._workers) if local_ranks is None else local_ranks:
+                w = self._workers.get(lr)
+                if w is None:
+                    continue
+                _, owner, stacks_fd, thread, names = self._region(w)
+                if not owner or not stacks_fd:
+                    out[lr] = (w.handle.pid, "", "no stack dump handler (its timers never attached)")
+                    continue
+                target = self._target(w, owner)
+                if target is None or target.exited() or target.state() in ("T", "t", None):
+                    out[lr] = (w.handle.pid, "", "stopped or gone: cannot run a signal handler")
+                    continue
+                v = _Victim(w, target, [], [], names, thread)
+                self._open_stacks(v, stacks_fd)
+                if v.stacks_fd is None:
+                    out[lr] = (target.pid, "", v.note)
+                    continue
+                state = signal_state(target.pid, self.dump_signal)
+                v.blocked_before = None if state is None else state[1]
+                target.send(self.dump_signal)
+                victims.append(v)
+            self._await_dumps(victims)
+            for v in victims:
+                try:
+                    size = os.fstat(v.stacks_fd).st_size  # type: ignore[arg-type]
+                    text = os.pread(v.stacks_fd, max(0, size - v.size0), v.size0).decode(  # type: ignore[arg-type]
+                        "utf-8", "replace")
+                finally:
+                    os.close(v.stacks_fd)  # type: ignore[arg-type]
+                    v.stacks_fd = None
+                out[v.worker.local_rank] = (v.target.pid, text, v.note)
+        return out
 
     def expiries(self) -> list[Expiry]:
         """The expiries since the last call (oldest first)."""
@@ -200,6 +251,7 @@ class TimerServer:
         if self._closed:
             return
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=self.dump_timeout + 5)
         with self._lock:
@@ -210,6 +262,8 @@ class TimerServer:
             self._buf.release()
             self._mmap.close()
             os.close(self._fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def __enter__(self) -> "TimerServer":
         return self
@@ -228,9 +282,24 @@ class TimerServer:
             w.owner.close()
 
     # -- scanning --------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
+
     def _run(self) -> None:
-        wait = self.scan_interval
-        while not self._stop.wait(wait):
+        wait = 0.0
+        while True:
+            ready = readable([self._wake_r], wait)
+            if self._stop.is_set():
+                return
+            if ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
             try:
                 wait = self._scan()
             except Exception:  # noqa: BLE001 - the reaper must outlive one bad scan
@@ -244,6 +313,10 @@ class TimerServer:
                 return self.scan_interval
             self.stats["scans"] += 1
             now = time.monotonic_ns()
+            # The promise first, then the look: a timer armed after this store compares its
+            # deadline with it (and wakes us if sooner); one armed before is seen by the scan.
+            promised = now + int(self.scan_interval * 1e9)
+            self._promise(promised)
             due, soonest = [], None
             for w in self._workers.values():
                 if w.done:
@@ -263,7 +336,15 @@ class TimerServer:
                 self._reap(due, now)
         if soonest is None:
             return self.scan_interval
+        with self._lock:
+            if not self._closed and soonest < promised:
+                self._promise(soonest)
         return min(self.scan_interval, max(0.0005, (soonest - time.monotonic_ns()) / 1e9))
+
+    def _promise(self, next_scan_ns: int) -> None:
+        """Tell every region when the reaper looks next (see ``layout``); under the lock."""
+        for lr in range(self.local_world_size):
+            L.U64.pack_into(self._buf, lr * L.REGION_SIZE + L.OFF_NEXT_SCAN, next_scan_ns)
 
     def _region(self, w: _Worker) -> tuple[int, int, int, int, list[str]]:
         """Header fields of a worker's region: owner, stacks fd, main thread, table names."""

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from elastictk.store.etcd_server import EtcdServer
+from elastictk.testing.etcd import EtcdServer
 
 T = TypeVar("T")
 _CLONE_NEWNET = 0x40000000

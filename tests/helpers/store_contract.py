@@ -105,6 +105,18 @@ class StoreContract:
         finally:
             other.close()
 
+    def test_a_write_is_seen_by_every_client_once_set_returns(self, store: Store) -> None:
+        # Large values make a write that is still in flight when set() returns very likely to
+        # be seen stale (torch's TCPStore sends SET without waiting for a reply).
+        other = store.clone()
+        try:
+            for i in range(20):
+                value = str(i).encode() + b"x" * (1 << 20)
+                store.set("fresh", value)
+                assert other.try_get("fresh") == value, f"write {i} not visible to another client"
+        finally:
+            other.close()
+
     def test_get_times_out_naming_the_key(self, store: Store) -> None:
         start = time.monotonic()
         with pytest.raises(StoreTimeout, match="never-set"):

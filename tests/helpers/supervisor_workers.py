@@ -150,3 +150,61 @@ with open(os.path.join(d, "grandchild.pid"), "w") as f:
     f.write(str(child.pid))
 time.sleep(600)
 """
+
+
+def freeze_mid_send(n: int, half: int) -> bytes:
+    """Return ``n`` bytes, but stop this process (SIGSTOP) after the length header and ``half``
+    bytes of the pickle (less than a pipe buffer) are on the result pipe."""
+    from multiprocessing.connection import Connection
+
+    def send_half_then_stop(self: Any, buf: Any) -> None:
+        data = bytes(buf)
+        head = len(data).to_bytes(4, "big", signed=True)
+        first = head + data[:half]
+        fd = self.fileno()
+        done = 0
+        while done < len(first):
+            done += os.write(fd, first[done:])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        rest = data[half:]
+        done = 0
+        while done < len(rest):
+            done += os.write(fd, rest[done:])
+
+    Connection._send_bytes = send_half_then_stop  # type: ignore[method-assign]
+    return b"x" * n
+
+
+# Starts a grandchild that calls setsid and outlives its parent (so it is reparented to the
+# agent, the subreaper), writes its pid, and exits after a moment: an orphan in no worker's
+# session. Rank 1 exits 3 after EXIT_AFTER seconds; rank 0 sleeps until stopped.
+SETSID_ORPHAN_SCRIPT = """\
+import os, sys, time
+d = sys.argv[1]
+lr = os.environ["LOCAL_RANK"]
+if lr == "1":
+    time.sleep(float(os.environ.get("EXIT_AFTER", "1")))
+    sys.exit(3)
+mid = os.fork()
+if mid == 0:
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(0.5)  # its parent is gone by now: reparented to the agent
+        with open(os.path.join(d, "orphan.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(d, "orphan.tmp"), os.path.join(d, "orphan.pid"))
+        os._exit(0)
+    os._exit(0)
+os.waitpid(mid, 0)
+time.sleep(600)
+"""
+
+# The first run of a rank exits 3 (leaving a marker); a replacement sleeps until stopped.
+FIRST_RUN_FAILS_SCRIPT = """\
+import os, sys, time
+marker = os.path.join(sys.argv[1], "ran." + os.environ["LOCAL_RANK"])
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(3)
+time.sleep(600)
+"""

@@ -13,7 +13,7 @@ from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.forkserver import PreloadServer
 from elastictk.supervisor.group import WorkerGroup
 from elastictk.supervisor.spec import WorkerSpec, python_script_argv
-from tests.supervisor_workers import TREE_SCRIPT, run_tree
+from tests.helpers.supervisor_workers import TREE_SCRIPT, run_tree
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     group = WorkerGroup(spec, log_dir, preload_server=server)
     group.start(0, Assignment.homogeneous(0, 1, 2, master_addr="127.0.0.1", master_port=29500,
                                           run_id="agent-kill"))
-    helpers = [group._watch.pid if group._watch else None, server.pid if server else None]
+    helpers = [group.death_watch_pid, server.pid if server else None]
     Path(pid_dir, "helpers").write_text(" ".join(str(p) for p in helpers if p))
     print("started", flush=True)
     group.wait_any(None)  # blocks until the test SIGKILLs this process

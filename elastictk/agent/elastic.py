@@ -1,0 +1,674 @@
+"""The elastic agent: rendezvous, start workers, watch, and on any change restart as one job.
+
+One agent runs per node. Its loop is the whole of torchrun's elastic behaviour, built from the
+primitives: a :class:`RendezvousHandler` for membership, a :class:`WorkerGroup` for the local
+processes, a :class:`RestartPolicy` for the budget, and a :class:`RoundCoordinator` for what
+the nodes must agree on (who failed first, what the job does next, when everyone is done).
+Everything the loop waits for wakes it as it happens: a worker's exit (pidfd), a peer's
+failure (a store key), a membership change (the next round's arrival), a signal.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..rendezvous import (
+    MembershipWatch, RendezvousClosed, RendezvousConfig, RendezvousError, RendezvousHandler,
+    RendezvousInterrupted, RoundAbandoned, RoundInfo,
+)
+from ..store import Store, StoreError
+from ..inplace.protocol import round_prefix
+from ..supervisor.env import Assignment
+from ..supervisor.forkserver import PreloadServer
+from ..supervisor.group import StartInterrupted, WorkerGroup
+from ..supervisor.report import FailureReport
+from ..supervisor.spec import WorkerResult, WorkerSpec
+from ..metrics.kinds import Emit, EventKind
+from ..metrics.steps import WorkerStepsBlock
+from ..metrics.worker import ENV_COLLECTIVES, ENV_HOOKS, ENV_PATH
+from ..snapshot.local import Holder
+from .address import local_address
+from .health import HealthWatch, check_settings, check_timeout, run_check
+from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
+from .inplace import InPlaceRound, open_round
+from .inplace_host import InPlaceHost, started_key
+from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
+from .policy import RestartPolicy
+from .stragglers import StragglerSettings, StragglerWatch, watch_round
+from .watchdog import Watchdog
+
+log = logging.getLogger("elastictk.agent")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+Event = Emit  # what on_event is called as (the old name)
+
+
+def steps_env(block: WorkerStepsBlock | None, base: Mapping[str, str]) -> dict[str, str]:
+    """What workers need to count their steps in ``block`` (none for no block): its path, and
+    its hook added to the hooks they would get from ``base`` or this process."""
+    if block is None:
+        return {}
+    env = block.env()
+    names = [n for n in (base.get(ENV_HOOKS) or os.environ.get(ENV_HOOKS, "")).split(",") if n.strip()]
+    names += [n for n in env[ENV_HOOKS].split(",") if n not in names]
+    return {**env, ENV_HOOKS: ",".join(names)}
+
+
+@dataclass
+class AgentConfig:
+    """Everything one node's agent needs; ``elastictk-run`` builds it from torchrun's flags."""
+
+    spec: WorkerSpec
+    rdzv: RendezvousConfig
+    policy: RestartPolicy = field(default_factory=lambda: RestartPolicy(max_restarts=0))
+    max_restarts: int = 0
+    log_dir: str | Path | None = None
+    node_id: str | None = None
+    local_addr: str | None = None
+    exit_barrier_timeout: float = 300.0
+    hosts_store: bool = False
+    decision_timeout: float = 30.0
+    on_event: Emit | None = None
+    collective_timeout: float | None = None  # put every torch.distributed call under a timer
+    progress_timeout: float | None = None  # no step of some rank for this long: hung (progress.py)
+    startup_timeout: float | None = None  # no first step of a rank within this long: hung
+    steps: WorkerStepsBlock | None = None  # the steps block the progress watchdog reads (else its own)
+    recovery: Recovery | str = Recovery.RESTART_ALL  # or IN_PLACE (agent/inplace.py); or the value
+    reform_timeout: float = 30.0  # in-place: longest wait for survivors to re-form
+    standby: bool = False  # in-place: a replacement is the preload server's warmed standby
+    snapshot_memory: int | None = None  # the local snapshot tier: bytes of memfd this agent owns
+    # Whether run() returns only once its store-watching threads ended (each may sit up to a
+    # heartbeat interval in a store wait). Needed where the process goes on or exits normally:
+    # finalizing Python under a thread inside a c10d call aborts it. elastictk-run ends with
+    # os._exit right after, so it does not wait (a job's exit is up to a second sooner).
+    join_watchers: bool = True
+    # --max-no-progress-restarts: this many restarts in a row after which no rank completed a
+    # step end the job (a crash loop); None or 0: off. Folded into ``policy`` (CrashLoop).
+    max_no_progress_restarts: int | None = None
+    # --health-check CMD: run (sh -c) before every round this node joins; a non-zero exit keeps
+    # the node out, re-checked every health_interval seconds up to the join timeout (health.py).
+    health_check: str | None = None
+    health_interval: float = 60.0
+    stragglers: StragglerSettings | None = None  # --straggler-*: name the rank the others wait for
+
+    def __post_init__(self) -> None:
+        self.recovery = Recovery(self.recovery)  # ValueError names a value that is neither
+        check_settings(self.health_check, self.health_interval)
+        if self.max_no_progress_restarts:  # ValueError for a value that is not a count >= 1
+            self.policy = replace(self.policy, crash_loop=self.max_no_progress_restarts)
+
+
+@dataclass
+class _Round:
+    """One rendezvous round as the loop sees it, from joining to what ended it."""
+
+    info: RoundInfo
+    restarts: int  # the job's restart count when the round began
+    coord: RoundCoordinator
+    watch: MembershipWatch
+    outcome: Outcome = Outcome.SUCCEEDED
+    failed: list[WorkerResult] = field(default_factory=list)
+    cooperative: bool = False  # in-place workers that re-form: kept through a change of nodes
+
+
+class ElasticAgent:
+    """Runs one node of a job until it succeeds, gives up, or is told to stop."""
+
+    def __init__(self, config: AgentConfig, store: Store, *, store_endpoint: str | None = None,
+                 preload_server: PreloadServer | None = None) -> None:
+        self.config = config
+        self._preload_server = preload_server  # the caller's, started early (it owns it)
+        self.store = store
+        self.node_id = config.node_id
+        self._store_endpoint = store_endpoint
+        self._signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self.group: WorkerGroup | None = None
+        self.handler: RendezvousHandler | None = None
+        self.current: RoundInfo | None = None
+        self.watchdog: Watchdog | None = None
+        self._lingering: list[MembershipWatch | RoundCoordinator] = []
+        self.attempts = 0
+        self._inplace_host: InPlaceHost | None = None
+        self._inplace: InPlaceRound | None = None
+        self._assignment_now: Assignment | None = None
+        self._keep = False  # in-place: the workers run on through the next round
+        self._ran = False
+        self._budget: Budget | None = None  # the job-wide restart state, once admitted to the run
+        self._steps: WorkerStepsBlock | None = None  # read for the crash-loop count
+        self._attempt_pids: set[int] = set()  # the current attempt's workers, as started
+        self._health: HealthWatch | None = None  # --health-check while a round runs
+
+    # -- public -----------------------------------------------------------------------------
+    def run(self) -> AgentResult:
+        cfg = self.config
+        addr = cfg.local_addr or local_address(self._store_endpoint)
+        meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role}
+        self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
+        self.node_id = self.handler.node_id
+        self.handler.on_spare = lambda n, world: self._emit(EventKind.SPARE_WAITING, round=n, world=world)
+        # The local snapshot tier: memory that outlives the workers and dies with this agent.
+        snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
+        own_steps = self._steps_block()
+        self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
+                                 on_expiry=self._wake, progress_timeout=cfg.progress_timeout,
+                                 startup_timeout=cfg.startup_timeout, steps=self._steps)
+        block = self._steps or self.watchdog.steps_block()
+        if block is not None and cfg.spec.env.get(ENV_PATH, block.path) != block.path:
+            log.warning("the workers' environment names a steps block (%s=%s) this agent was not "
+                        "given: they count into the agent's own instead; pass the block as "
+                        "AgentConfig.steps (build_agent(config, telemetry) does)", ENV_PATH,
+                        cfg.spec.env[ENV_PATH])
+        base_env = {**cfg.spec.env, **steps_env(own_steps, cfg.spec.env),
+                    **({ENV_COLLECTIVES: "1"} if cfg.stragglers is not None and cfg.stragglers.on else {})}
+        spec = replace(cfg.spec, env={**self.watchdog.worker_env(base_env),
+                                      **(snapshots.env() if snapshots is not None else {})})
+        self.group = WorkerGroup(spec, cfg.log_dir, preload_server=self._preload_server)
+        self._install_signals()
+        try:
+            self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
+            return self._loop(addr)
+        except StoreError as e:
+            # The store is gone (e.g. the host of a c10d store died): fail fast, never hang.
+            self.group.stop()
+            self._emit(EventKind.STORE_LOST, error=str(e))
+            return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
+        except RendezvousError as e:
+            # Refused (no token), forged or foreign state, too few nodes: one line, no traceback.
+            self.group.stop()
+            self._emit(EventKind.RENDEZVOUS_FAILED, error=str(e))
+            return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
+        finally:
+            self._restore_signals()
+            self.group.close()
+            self.watchdog.close()
+            if own_steps is not None:
+                own_steps.close()
+            if snapshots is not None:
+                snapshots.close()
+            # Watch threads were stopped without waiting (a failure must not wait for them);
+            # they end within a wait interval. The process must not exit normally while one is
+            # inside a c10d call (see AgentConfig.join_watchers).
+            for w in self._lingering:
+                w.stop(wait=self.config.join_watchers)
+            if self._inplace_host is not None:
+                self._inplace_host.close()
+            try:
+                self.handler.close(leaving=True)
+            except StoreError:
+                pass
+
+    def pids(self) -> dict[int, int]:
+        """Local rank → PID of the running workers (for fault injection and tests)."""
+        return self.group.pids() if self.group else {}
+
+    # -- the loop: one rendezvous round per turn, then one step per outcome -------------------
+    def _loop(self, addr: str) -> AgentResult:
+        steps: dict[Outcome, Callable[[_Round], AgentResult | None]] = {
+            Outcome.SIGNAL: lambda _: self._signalled(), Outcome.MEMBERSHIP: self._on_membership,
+            Outcome.SUCCEEDED: self._on_succeeded, Outcome.LOCAL_FAILURE: self._on_failure,
+            Outcome.PEER_FAILURE: self._on_failure, Outcome.INPLACE_FALLBACK: self._on_failure,
+            Outcome.UNHEALTHY: self._on_failure,
+        }
+        self._ran = False  # workers were started at least once
+        while True:
+            if self._signal in TERMINATING:
+                return self._signalled()
+            kept_out = self._health_gate()
+            if kept_out is not None:
+                return kept_out
+            info = self._next_round()
+            if isinstance(info, AgentResult):
+                return info
+            try:
+                rnd = self._run_round(info, addr)
+            except RoundAbandoned as e:  # a member died before doing its part: next round
+                self._emit(EventKind.MEMBERSHIP_CHANGED, reason=str(e), cause="lost_node")
+                continue
+            except RendezvousInterrupted:  # SIGTERM/SIGINT/SIGHUP while joining the round
+                return self._signalled()
+            result = steps[rnd.outcome](rnd)  # None: on to the next round
+            if result is not None:
+                return result
+
+    def _health_gate(self) -> AgentResult | None:
+        """``--health-check``: None once the check passes; while it fails this node stays out
+        (an event and a log line each time, its workers stopped), re-checked every interval;
+        how the agent ends when it has not passed within the join timeout, or on a signal."""
+        cfg, group = self.config, self.group
+        if cfg.health_check is None:
+            return None
+        assert group is not None
+        deadline = time.monotonic() + cfg.rdzv.join_timeout
+        while True:
+            res = run_check(cfg.health_check, check_timeout(cfg.health_interval))
+            if res.ok:
+                return None
+            if group.running:  # in-place workers kept for the next round
+                group.stop()
+                self._emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
+            self._emit(EventKind.HEALTH_CHECK_FAILED, command=cfg.health_check, exit=res.exit, line=res.line)
+            log.warning("health check failed (%s): %s; this node stays out of the job, next check in %gs",
+                        res.exit, res.line or "(no output)", cfg.health_interval)
+            if time.monotonic() >= deadline:
+                return AgentResult(
+                    ResultState.FAILED, 1,
+                    f"health check failed ({res.exit}: {res.line or 'no output'}): this node stayed out "
+                    f"for the join timeout ({cfg.rdzv.join_timeout:g}s) and gives up; fix the node or "
+                    f"the check ({cfg.health_check!r})", attempts=self.attempts)
+            self._backoff(min(cfg.health_interval, max(0.0, deadline - time.monotonic())))
+            if self._stop_reason() is not None:
+                return self._signalled()
+
+    def _next_round(self) -> RoundInfo | AgentResult:
+        """The next round, or how the agent ends when the job was closed meanwhile."""
+        assert self.handler is not None and self.group is not None
+        self._emit(EventKind.RENDEZVOUS_STARTED, node_id=self.handler.node_id)
+        try:
+            return self.handler.next_round()
+        except RendezvousInterrupted:  # SIGTERM/SIGINT/SIGHUP while waiting for the others
+            return self._signalled()
+        except RendezvousClosed as e:
+            if self.group.running:
+                self.group.stop()  # kept for an in-place change that will not come
+            if self._ran:
+                return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
+            self._emit(EventKind.JOB_FINISHED_ELSEWHERE, message=str(e), succeeded=e.succeeded)
+            ran_nothing = (f"{e}; this node ran nothing (to run job {self.config.rdzv.job_id!r} "
+                           "again, launch it with a fresh --rdzv-id)")
+            if not e.succeeded:  # a late node, or a relaunch of a failed job, must not say success
+                return AgentResult(ResultState.FAILED, 1, ran_nothing, attempts=self.attempts)
+            return AgentResult(ResultState.FINISHED_ELSEWHERE, 0, ran_nothing, attempts=self.attempts)
+
+    def _run_round(self, info: RoundInfo, addr: str) -> _Round:
+        """Join ``info``: start (or keep) the workers and watch them until something happens."""
+        assert self.handler is not None and self.group is not None
+        handler, group = self.handler, self.group
+        previous, self.current = self.current, info
+        if self._budget is None:  # after the first round: the run's nonce is known
+            self._budget = Budget(handler.records)
+        restarts = self._budget.restart_count()
+        self._assignment_now = self._assignment(info, restarts, addr)
+        self._emit(EventKind.ROUND_JOINED, round=info.round, rank=info.rank, world=info.world_size)
+        coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
+                                 signer=handler.signer, where=(handler.prefix, info.store_prefix),
+                                 budget=self._budget, on_error=lambda _e: group.wake())
+        rnd = _Round(info, restarts, coord, MembershipWatch(handler, info, on_change=group.wake))
+        keep_asked, self._keep = self._keep, False
+        cfg = self.config
+        self._health = (HealthWatch(cfg.health_check, cfg.health_interval, group.wake)
+                        if cfg.health_check is not None else None)
+        stragglers: StragglerWatch | None = None
+        try:
+            try:
+                self._start_workers(rnd, addr, keep_asked, previous)
+                self._ran = True
+                stragglers = watch_round(cfg.stragglers, self._steps, self._assignment_now.base_global_rank,
+                                         coord.records, handler.node_id, info, self._emit)
+                rnd.outcome, rnd.failed = self._monitor(coord, rnd.watch)
+            except StartInterrupted:  # a terminating signal came while the workers started
+                rnd.outcome = Outcome.SIGNAL
+            rnd.cooperative = (rnd.outcome == Outcome.MEMBERSHIP and self._inplace is not None
+                               and self._inplace.cooperative())
+        finally:
+            if self._health is not None:
+                self._health.stop()
+            if stragglers is not None:
+                stragglers.stop()
+            rnd.watch.stop()
+            if self._inplace is not None:
+                self._inplace.close()
+        coord.stop()
+        self._lingering += [rnd.watch, coord]
+        return rnd
+
+    def _start_workers(self, rnd: _Round, addr: str, keep: bool, previous: RoundInfo | None) -> None:
+        """Start this node's workers for the round, or (in place) keep the running ones."""
+        assert self.group is not None and self.handler is not None and self._assignment_now is not None
+        group, assignment = self.group, self._assignment_now
+        extra, kept = self._begin_inplace(rnd.info, addr, rnd.restarts, keep, previous)
+        if kept:
+            group.reassign(assignment, extra)
+            assert self.watchdog is not None  # the kept workers' progress clocks start again
+            self.watchdog.rearm_progress(group.pids(), assignment, group.attempt_dir)
+            assert self._inplace is not None
+            self._emit(EventKind.WORKERS_KEPT, generation=self._inplace.gen, pids=group.pids(),
+                       world_size=assignment.global_world_size)
+            return
+        if group.running:  # kept, but the round starts afresh (its host is gone)
+            group.stop()
+            self._emit(EventKind.WORKERS_STOPPED, reason="inplace_host_lost")
+        assert self.watchdog is not None
+        self.watchdog.reset()  # before the start: a worker may claim its region at once
+        group.start(self.attempts, assignment, extra)
+        self._attempt_pids = set(group.pids().values())
+        self.watchdog.arm(group.pids(), assignment, group.attempt_dir)
+        self.attempts += 1
+        self._emit(EventKind.WORKERS_STARTED, attempt=self.attempts - 1, restart_count=rnd.restarts,
+                   pids=group.pids(), world_size=assignment.global_world_size, run_dir=str(group.run_log_dir))
+        if self._inplace is not None and self._inplace.pending is not None:  # joined in place
+            rnd.coord.records.write(started_key(self.handler.node_id), {"node_id": self.handler.node_id})
+
+    def _on_membership(self, rnd: _Round) -> None:
+        assert self.group is not None
+        watch, cause = rnd.watch, rnd.watch.cause
+        self._emit(EventKind.MEMBERSHIP_CHANGED, reason=watch.reason, cause=cause)
+        if (rnd.cooperative and cause in ("lost_node", "node_joined")
+                and len(self.group.running) == self.config.spec.local_world_size):
+            # In place: the workers run on (or wait, when a peer node is gone) while
+            # the next round forms, then re-form with the new world.
+            self._keep = True
+            if self.watchdog is not None:  # waiting for the next round is not a hang
+                self.watchdog.pause_progress()
+            return
+        self.group.stop()
+        self._emit(EventKind.WORKERS_STOPPED, reason="membership_changed")
+        if watch.store_error is not None:
+            raise watch.store_error
+
+    def _on_succeeded(self, rnd: _Round) -> AgentResult | None:
+        assert self.handler is not None and self.group is not None
+        finished, lost = self._exit_barrier(rnd.coord, rnd.info)
+        if self._signal in TERMINATING:  # told to stop while waiting for the others
+            return self._signalled()
+        if not finished:
+            rnd.outcome = Outcome.PEER_FAILURE  # a peer failed while we waited: restart with it
+            return self._on_failure(rnd)
+        try:
+            self.handler.shutdown("finished")
+        except StoreError:
+            pass  # a peer already closed the job and the store went with its host
+        cfg = self.config
+        rnd.coord.depart(rnd.info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5, lost=len(lost),
+                         members=[m.node_id for m in rnd.info.members])
+        results = self.group.results
+        restarts = rnd.coord.budget.restart_count()  # in-place recoveries count too
+        self._emit(EventKind.JOB_FINISHED, restarts=restarts)
+        return AgentResult(ResultState.SUCCEEDED, 0, "all workers finished",
+                           return_values={lr: r.return_value for lr, r in results.items()},
+                           restarts=restarts, attempts=self.attempts)
+
+    def _on_failure(self, rnd: _Round) -> AgentResult | None:
+        assert self.handler is not None
+        decision = self._after_failure(rnd.outcome, rnd.failed, rnd.coord, rnd.restarts)
+        if decision is None:
+            # No decision came (the node that failed first died before deciding, or never
+            # could): the failure is charged, not forgiven, as an OTP supervisor escalates.
+            note = rnd.coord.failure_note()
+            cause = f"round {rnd.info.round}: no decision came for " + (
+                "a failure" if note is None else f"node {note.node_id}'s failure ({note.headline})")
+            decision = rnd.coord.take_over(self.config.policy, cause, self.config.decision_timeout)
+            log.warning("%s: charged by %s", cause, "this node or the one that took over")
+        if decision.action == DecisionAction.RESTART:
+            self._emit(EventKind.RESTART, restart_count=decision.restart_count, delay_s=decision.delay_s,
+                       reason=decision.reason)
+            self._backoff(decision.delay_s)
+            return None
+        self.handler.shutdown(f"failed: {decision.reason}")
+        report = self._report(rnd.restarts) if rnd.outcome == Outcome.LOCAL_FAILURE else None
+        self._emit(EventKind.JOB_FAILED, reason=decision.reason)
+        note = rnd.coord.failure_note()
+        where = "" if note is None or note.node_id == self.handler.node_id else \
+            f" (first failure on node {note.node_id}: {note.headline})"
+        return AgentResult(ResultState.FAILED, 1, decision.reason + where, report=report,
+                           restarts=rnd.restarts, attempts=self.attempts)
+
+    def _backoff(self, seconds: float) -> None:
+        """The restart backoff, cut short by a terminating signal (the loop then acts on it)."""
+        deadline = time.monotonic() + seconds
+        while self._stop_reason() is None and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
+
+    def _stop_reason(self) -> str | None:
+        """Why the agent must stop waiting, if a terminating signal came."""
+        sig = self._signal
+        return f"the agent received {signal.Signals(sig).name}" if sig in TERMINATING else None
+
+    def _exit_barrier(self, coord: RoundCoordinator, info: RoundInfo) -> tuple[bool, list[str]]:
+        """The exit barrier, watching heartbeats meanwhile: a peer lost after this node's
+        workers finished ends the wait after ``heartbeat_timeout``, not the barrier's timeout.
+        Returns (finished, the lost peers' node ids)."""
+        assert self.handler is not None
+        try:
+            watch = MembershipWatch(self.handler, info)
+        except StoreError:  # no second connection to the store: wait as before, unwatched
+            return coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
+                                      lost=self._stop_reason,
+                                      members=[m.node_id for m in info.members]), []
+        self._lingering.append(watch)  # joined before the process exits, as the round's are
+        try:
+            finished = coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
+                                          lost=lambda: self._stop_reason() or (watch.reason if watch.lost else None),
+                                          members=[m.node_id for m in info.members])
+        finally:
+            watch.stop()
+        if watch.lost:
+            self._emit(EventKind.EXIT_BARRIER_LEFT, lost=",".join(watch.lost), reason=watch.reason)
+        return finished, list(watch.lost)
+
+    def _monitor(self, coord: RoundCoordinator, watch: MembershipWatch) -> tuple[Outcome, list[WorkerResult]]:
+        """Block until something needs the loop's attention; all wake-ups are events."""
+        assert self.group is not None
+        group = self.group
+        while True:
+            inplace = self._inplace
+            exited = group.wait_any(timeout=5.0 if inplace is None else inplace.wait_timeout(5.0))
+            if self.watchdog is not None and any(r.failed for r in exited):
+                self.watchdog.blame_stopped([r.pid for r in exited if r.failed])
+            self._emit_expiries()
+            failed = [r for r in exited if r.failed]
+            if failed and inplace is not None and not coord.failed.is_set():
+                assert self.watchdog is not None
+                for r in failed:
+                    self.watchdog.forget(r.local_rank)
+                if inplace.on_failures(failed):
+                    assert self._assignment_now is not None
+                    for r in failed:  # the replacements' timers are watched like the others'
+                        self.watchdog.replace(r.local_rank, group.pids()[r.local_rank],
+                                              self._assignment_now, group.attempt_dir)
+                    continue  # replaced in place; the other workers keep running
+                if inplace.decision is not None and inplace.decision.action == DecisionAction.RESTART:
+                    return Outcome.INPLACE_FALLBACK, failed
+            if failed:
+                return Outcome.LOCAL_FAILURE, failed
+            if inplace is not None and inplace.poll():
+                return Outcome.INPLACE_FALLBACK, []
+            if self._signal is not None:
+                if self._signal in TERMINATING:
+                    return Outcome.SIGNAL, []
+                group.signal_all(self._signal)
+                self._signal = None
+                continue
+            if coord.watch_error is not None:  # logged with its cause: a store we cannot use
+                raise StoreError(f"the failure watch stopped: {coord.watch_error!r}")
+            if coord.failed.is_set():
+                return Outcome.PEER_FAILURE, []
+            if self._health is not None and self._health.failed is not None:
+                return Outcome.UNHEALTHY, []
+            if watch.changed.is_set():
+                return Outcome.MEMBERSHIP, []
+            if not group.running:
+                return Outcome.SUCCEEDED, []
+
+    def _after_failure(self, outcome: Outcome, failed: list[WorkerResult], coord: RoundCoordinator,
+                       restarts: int) -> Decision | None:
+        assert self.group is not None
+        if outcome == Outcome.UNHEALTHY:
+            # Like a worker failure, charged to the budget: the job restarts without this node
+            # (the health gate keeps it out of the next round while the check fails).
+            assert self._health is not None and self._health.failed is not None
+            res, cmd = self._health.failed, self.config.health_check
+            self._emit(EventKind.HEALTH_CHECK_FAILED, command=cmd, exit=res.exit, line=res.line)
+            log.warning("health check failed (%s): %s; this node leaves the job", res.exit, res.line or "(no output)")
+            cause = f"node {self.node_id}'s health check ({res.exit}: {res.line or 'no output'})"
+            won = coord.report_failure(cause)
+            self.group.stop()
+            self._emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
+            if won:
+                return coord.decide(self.config.policy, cause)
+            return coord.await_decision(self.config.decision_timeout)
+        if outcome == Outcome.INPLACE_FALLBACK:
+            # In-place recovery did not come together: restart everything, as restart-all
+            # would have, on the budget already charged for this failure.
+            assert self._inplace is not None
+            coord.report_failure(f"node {self.node_id}: in-place recovery failed")
+            self.group.stop()
+            self._emit(EventKind.WORKERS_STOPPED, reason="inplace_fallback")
+            charged = self._inplace.decision
+            if charged is not None:  # this node charged the recovery: its decision, sealed
+                return coord.publish(charged, self.config.decision_timeout)
+            # Errors but nothing failed here: the node whose worker failed charged it and
+            # publishes; only if nobody does is the failure charged now (take_over).
+            return coord.await_decision(min(self.config.decision_timeout, 5.0))
+        if outcome == Outcome.LOCAL_FAILURE:
+            first = min(failed, key=lambda r: r.ended_at)
+            self._emit_expiries()  # the reaper records an expiry before it kills
+            hang = self.watchdog.expiry_of(first.pid) if self.watchdog is not None else None
+            stall = self.watchdog.hang_of(first.pid) if self.watchdog is not None else None
+            progressed = self._stepped()
+            why = hang.headline() + " (watchdog timer expired)" if hang is not None else \
+                stall.headline() if stall is not None else first.describe()
+            won = coord.report_failure(f"node {self.node_id}: {why}")
+            extra: dict[str, Any] = {"cause": "timer_expired", "timer_scope": hang.scope} if hang else \
+                {"cause": "hang_detected"} if stall else {}
+            self._emit(EventKind.WORKER_FAILED, rank=first.rank, local_rank=first.local_rank,
+                       exit=first.signal_name or f"code {first.exitcode}", first_in_job=won,
+                       **extra, **({} if progressed is None else {"phase": "training" if progressed else "startup"}))
+            self.group.stop()
+            self._emit(EventKind.WORKERS_STOPPED, reason="worker_failed")
+            if won:
+                report = self._report(restarts)
+                root = report.root_cause
+                cause = root.cause() if root is not None else first.describe()
+                if progressed is False:
+                    cause += " (a start-up failure: before any rank's first step)"
+                return coord.decide(self.config.policy, cause, progressed)
+        else:
+            note = coord.failure_note()
+            self._emit(EventKind.PEER_FAILED, by=None if note is None else note.node_id)
+            self.group.stop()
+            self._emit(EventKind.WORKERS_STOPPED, reason="peer_failed")
+            inplace = self._inplace
+            if inplace is not None and inplace.pending is not None and inplace.decision is not None:
+                # A recovery this node charged was still forming: its charge is the decision.
+                return coord.publish(inplace.decision, self.config.decision_timeout)
+        return coord.await_decision(self.config.decision_timeout)
+
+    def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, keep: bool,
+                       previous: RoundInfo | None) -> tuple[dict[str, str], bool]:
+        """In-place mode: the round's generations and the workers' extra environment; True
+        when this agent's running workers carry on into the round (``keep`` asked for it and
+        the round's setup agreed)."""
+        self._inplace = None
+        if self.config.recovery != Recovery.IN_PLACE:
+            return {}, False
+        assert self.handler is not None and self.group is not None
+        cfg, node_id = self.config, self.handler.node_id
+        if self._inplace_host is None:
+            self._inplace_host = InPlaceHost(addr, node_id)
+        assert self._budget is not None
+        self._inplace, setup = open_round(
+            self._inplace_host, self.group, self._budget, cfg.policy, info,
+            node_ranges(info, cfg.spec.role, cfg.spec.local_world_size),
+            restarts=restarts, keep=keep, previous=previous,
+            fresh_prefix=round_prefix(cfg.rdzv.job_id, info.round, self.attempts),
+            join_timeout=cfg.rdzv.join_timeout, reform_timeout=cfg.reform_timeout,
+            error_grace=cfg.rdzv.heartbeat_timeout + 5, emit=self._emit, standby=cfg.standby)
+        return self._inplace.env(node_id, setup.gen), keep and setup.keep
+
+    def _report(self, restarts: int) -> FailureReport:
+        assert self.group is not None
+        results = list(self.group.results.values())
+        return FailureReport.collect(results, stopped=[r.local_rank for r in results if r.stopped],
+                                     restart_count=restarts,
+                                     hangs=self.watchdog.hangs() if self.watchdog is not None else None)
+
+    def _signalled(self) -> AgentResult:
+        assert self.group is not None and self.handler is not None
+        sig = self._signal or signal.SIGTERM
+        name = signal.Signals(sig).name
+        self._emit(EventKind.SIGNALLED, signal=name)
+        self.group.stop(sig=sig)
+        return AgentResult(ResultState.SIGNALLED, 128 + sig, f"agent received {name}; workers stopped",
+                           attempts=self.attempts)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _assignment(self, info: RoundInfo, restarts: int, addr: str) -> Assignment:
+        cfg = self.config
+        ranks = node_ranges(info, cfg.spec.role, cfg.spec.local_world_size)
+        assert self.handler is not None
+        # Group rank 0 publishes it as soon as the round closes; longer than a heartbeat timeout
+        # means it is gone, and waiting the join timeout for it would stall every other node.
+        master_addr, master_port = agree_master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
+                                                self.handler.records.view(info.store, info.store_prefix),
+                                                stop=lambda: self._stop_reason() is not None)
+        return Assignment.from_node_ranks(
+            info.rank, info.world_size, ranks[info.rank], master_addr=master_addr,
+            master_port=master_port, run_id=cfg.rdzv.job_id, restart_count=restarts,
+            max_restarts=cfg.max_restarts, use_agent_store=False,
+        )
+
+    def _steps_block(self) -> WorkerStepsBlock | None:
+        """The steps block the crash-loop count reads (the caller's, else the progress
+        watchdog's, else one of our own, returned to be closed); none when the count is off."""
+        cfg = self.config
+        self._steps = cfg.steps
+        if (cfg.policy.crash_loop is None and not (cfg.stragglers and cfg.stragglers.on)) or cfg.steps is not None:
+            return None
+        self._steps = WorkerStepsBlock(cfg.spec.local_world_size)  # the watchdog uses it too
+        return self._steps
+
+    def _stepped(self) -> bool | None:
+        """Whether a worker of the current attempt completed a step (its slot is owned by it and
+        counts a step of its own); None when no steps block is read."""
+        if self._steps is None or self.config.policy.crash_loop is None:
+            return None
+        return any(s.owner in self._attempt_pids and s.proc_steps > 0 for s in self._steps.snapshot())
+
+    def _wake(self) -> None:
+        if self.group is not None:
+            self.group.wake()
+
+    def _emit_expiries(self) -> None:
+        """Events for timers the reaper caught since the last look (it runs on its own thread)."""
+        if self.watchdog is None:
+            return
+        for e in self.watchdog.take_new():
+            self._emit(EventKind.TIMER_EXPIRED, rank=e.rank, local_rank=e.local_rank, pid=e.pid, scope=e.scope,
+                       where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
+        for h in self.watchdog.take_hangs():
+            self._emit(EventKind.HANG_DETECTED, **h.fields())
+
+    def _emit(self, kind: EventKind, **fields: Any) -> None:
+        log.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))
+        if self.config.on_event is not None:
+            self.config.on_event(kind, **fields)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED:
+                self._old_handlers[sig] = signal.signal(sig, self._handle_signal)
+
+    def _handle_signal(self, signum: int, _frame: Any) -> None:
+        self._signal = signum
+        if signum in TERMINATING:
+            if self.handler is not None:
+                self.handler.interrupt()  # a node waiting for a round stops waiting
+            if self.group is not None:
+                self.group.interrupt()  # also stops a start in progress before its next worker
+        else:
+            self._wake()
+
+    def _restore_signals(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()

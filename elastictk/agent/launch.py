@@ -1,0 +1,134 @@
+"""Building one node's agent from a :class:`LaunchConfig`: what ``elastictk-run`` does with its flags.
+
+A custom launcher that wants torchrun's semantics but its own front (a scheduler shim, a
+notebook helper) parses or builds a ``LaunchConfig`` and calls :func:`build_agent`; one that
+wants other semantics builds an :class:`AgentConfig` itself (see ``docs/launcher-authors.md``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..cli.config import LaunchConfig
+from ..rendezvous import RendezvousConfig
+from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_TIERS, default_memory
+from ..supervisor.forkserver import PreloadServer
+from ..supervisor.spec import WorkerSpec
+from .outcome import Recovery
+from .policy import Backoff, RestartPolicy
+from .stragglers import StragglerSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..metrics import Telemetry
+    from ..rendezvous.backends import StoreHandle
+    from .elastic import ElasticAgent
+
+
+def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
+                preload_server: PreloadServer | None = None) -> tuple[ElasticAgent, StoreHandle]:
+    """The store and the agent for ``config``; split from :func:`main` for custom launchers.
+    ``preload_server`` (the caller's, see :func:`start_preload`) is the one workers fork from."""
+    # Imported here: these import torch, and start_preload must run before torch is imported.
+    from ..rendezvous.backends import open_store
+    from .elastic import AgentConfig, ElasticAgent
+
+    conf = config.rdzv_conf
+    endpoint = config.rdzv_path if config.rdzv_backend == "file" else str(config.rdzv_endpoint)
+    if config.rdzv_endpoints:  # every member of an etcd cluster, for failover
+        endpoint = ",".join(str(e) for e in config.rdzv_endpoints)
+    handle = open_store(
+        config.rdzv_backend, endpoint or "", is_host=True if config.standalone else config.is_host,
+        timeout=float(conf.get("read_timeout", conf.get("timeout", 60.0))), node_rank=config.node_rank,
+        conf=conf,
+    )
+    hb = float(conf.get("heartbeat_interval", 1.0))
+    rdzv = RendezvousConfig(
+        job_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+        last_call=float(conf.get("last_call_timeout", 30.0)),
+        join_timeout=float(conf.get("join_timeout", 600.0)),
+        heartbeat_interval=hb, heartbeat_timeout=float(conf.get("heartbeat_timeout", max(10.0, hb * 3))),
+        token=config.rdzv_token or standalone_token(config),
+    )
+    backoff = Backoff(initial=config.restart_backoff) if config.restart_backoff > 0 else None
+    policy = RestartPolicy(max_restarts=config.max_restarts, intensity=config.restart_intensity, backoff=backoff)
+    method = worker_start_method(config)
+    spec = WorkerSpec(
+        entrypoint=config.entrypoint, local_world_size=config.nproc_per_node, role=config.role,
+        start_method=method, redirects=config.redirects, tee=config.tee,
+        local_ranks_filter=config.local_ranks_filter, grace_period=config.grace_period,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        log_line_prefix_template=config.log_line_prefix_template, logs_specs=config.logs_specs,
+        env={**(telemetry.worker_env() if telemetry is not None else {}), **snapshot_env(config)},
+    )
+    agent_cfg = AgentConfig(
+        spec=spec, rdzv=rdzv, policy=policy, max_restarts=config.max_restarts,
+        max_no_progress_restarts=config.max_no_progress_restarts,
+        health_check=config.health_check, health_interval=config.health_interval,
+        stragglers=StragglerSettings(config.straggler_action, config.straggler_threshold,
+                                     config.straggler_windows, config.straggler_interval),
+        log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
+        on_event=telemetry.on_event if telemetry is not None else None,
+        collective_timeout=config.collective_timeout,
+        progress_timeout=config.progress_timeout, startup_timeout=config.startup_timeout,
+        steps=telemetry.steps if telemetry is not None else None,
+        recovery=Recovery(config.recovery), standby=config.standby,
+        snapshot_memory=(config.snapshot_memory or default_memory()) if "local" in config.snapshot else None,
+    )
+    agent = ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint,
+                         preload_server=preload_server)
+    return agent, handle
+
+
+def snapshot_env(config: LaunchConfig) -> dict[str, str]:
+    """The snapshot settings every worker reads (``elastictk.State``); the local tier's memory
+    is added by the agent that owns it."""
+    if not config.snapshot:
+        return {}
+    env = {ENV_TIERS: ",".join(config.snapshot), ENV_EVERY: str(config.snapshot_every)}
+    if config.snapshot_dir:
+        env[ENV_DIR] = config.snapshot_dir
+    return env
+
+
+def standalone_token(config: LaunchConfig) -> str | None:
+    """A random per-run token for a ``--standalone`` job given none.
+
+    torch's TCPStore listens on every interface (it binds ``::``; no address can be chosen), so
+    a standalone job's store is reachable from the network. With this token every record that
+    can change what the agent does is sealed, and whatever a stranger writes there reads as
+    absent. One node, so nobody else needs to know it; it goes to no worker and no log.
+    """
+    if not config.standalone or config.rdzv_backend != "c10d":
+        return None
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def start_preload(config: LaunchConfig) -> PreloadServer | None:
+    """Start the fork server's import of torch now, when workers will fork from it.
+
+    Called before this process imports torch itself (the store and agent modules need it):
+    the two imports then run side by side instead of one after the other, which on a cold
+    start is most of a second of the time to the first step.
+    """
+    if worker_start_method(config) != "preload":
+        return None
+    server = PreloadServer(job=config.run_id)
+    server.start()
+    return server
+
+
+def worker_start_method(config: LaunchConfig) -> str:
+    """How script workers start: from the preloaded fork server unless told otherwise.
+
+    torchrun ignores ``--start-method`` for scripts and always starts a fresh interpreter, which
+    re-imports torch on every restart (seconds). elastictk forks Python workers from a server
+    that imported torch once, unless ``--start-method`` is given (then spawn/fork/forkserver
+    mean a fresh interpreter, as in torchrun) or the entrypoint is not Python (``--no-python``).
+    """
+    if config.start_method == "preload":
+        return "preload"
+    if config.start_method_given or config.no_python:
+        return "subprocess"
+    return "preload"

@@ -1,0 +1,481 @@
+"""The progress watchdog: a rank that stops completing steps is hung, whatever blocks it.
+
+Timers (``--collective-timeout``) catch a rank stuck in a Python-level ``torch.distributed``
+call. A rank frozen by SIGSTOP, or blocked inside DDP's C++ all-reduce, never enters such a
+call, and its peers wait in theirs until the backend's own timeout (30 minutes by default).
+What every training loop does show is steps: each worker writes the monotonic time of its
+latest step into its slot of the steps block (optimizer step hooks, ``elastictk.metrics.step()``,
+``run_elastic``; see ``elastictk.metrics.worker``), which costs the worker a few stores.
+
+:class:`ProgressWatch` reads those slots on one thread that sleeps until the earliest deadline
+it knows of (a rank's last step + ``progress_timeout``, or a rank's start +
+``startup_timeout``), so a healthy job costs one wake-up per ``progress_timeout`` (and one
+every few seconds until every rank has completed its first step). Once every local rank has
+completed a step, a rank without a step for ``progress_timeout`` seconds makes the group hung;
+a rank with no first step within ``startup_timeout`` of its start does too. Then, in order:
+every worker's stacks are dumped (faulthandler through the timer region where the process can
+run the handler; ``py-spy dump`` for a stopped process or one that did not answer), the
+culprit(s) are named (stopped ranks, else the fewest steps, else the oldest last step, else all
+stalled ranks) apart from the ranks blocked waiting on them, the :class:`Hang` is handed to the
+agent, and the culprits are SIGKILLed. The agent then sees an ordinary worker failure and
+recovers as for any other (restart-all or in place); :meth:`ProgressWatch.hang_of` tells it why
+the worker died.
+
+While any watched worker has exited, nothing is judged: the agent is stopping the group or
+replacing the worker, and the next :meth:`arm`/:meth:`replace` starts the clocks again.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from ..lifetime.handle import ProcessHandle
+from ..lifetime.procfs import read_stat
+from ..metrics.layout import SlotSnapshot
+from ..metrics.steps import WorkerStepsBlock
+from ..timer.stacks import Frame, parse
+
+log = logging.getLogger("elastictk.agent")
+
+PYSPY_TIMEOUT = 10.0  # seconds one py-spy dump may take
+FIRST_STEP_LOOK = 5.0  # longest sleep while waiting for every rank's first step
+MAX_SLEEP = 3600.0  # a finished rank's deadline is infinite
+REPORT_NAME = "progress_hang.txt"
+StackDumper = Callable[[list[int]], Mapping[int, tuple[int, str, str]]]
+_PYSPY_FRAME = re.compile(r"^\s+(.*) \((.*):(\d+)\)\s*$")
+
+
+def check_timeout(value: Optional[float], flag: str) -> Optional[float]:
+    """``None`` or 0 means off; anything else must be a number of seconds > 0."""
+    if value is None or value == 0:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1e9:
+        raise ValueError(f"{flag} {value!r} must be a number of seconds > 0 (0 turns it off)")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One local rank when the hang was declared."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    steps: int  # steps since the group's clocks started (arm or last replacement)
+    idle_s: float  # seconds since its last step (or its start, before its first)
+    state: str  # /proc state: R, S, D, T (stopped) ...
+    where: Optional[str]  # innermost user frame of its stack, "train.py:57 (main)"
+    stacks: str
+    stacks_from: str  # "faulthandler", "py-spy", or why there are none
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in ("T", "t")
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the progress watchdog found; culprits are killed, blocked ranks are left to the
+    agent's recovery."""
+
+    kind: str  # "progress", "startup" or "stopped_peer" (found when a peer failed)
+    timeout_s: float
+    culprits: tuple[RankState, ...]
+    blocked: tuple[RankState, ...]
+    reason: str  # why these are the culprits
+    host: str
+    report_path: Optional[str]
+
+    def headline(self) -> str:
+        c = self.culprits[0]
+        what = {"progress": f"made no progress for {c.idle_s:.1f}s",
+                "startup": f"completed no first step for {c.idle_s:.1f}s",
+                "stopped_peer": "was stopped (state T) while a peer failed waiting on it"}[self.kind]
+        where = f" at {c.where}" if c.where else ""
+        return f"rank {c.rank} {what}{where} (progress watchdog)"
+
+    def describe(self) -> str:
+        """The agent's one log line."""
+        names = ", ".join(f"rank {c.rank} (pid {c.pid}, {c.idle_s:.1f}s without a step"
+                          f"{', stopped' if c.stopped else ''}{', at ' + c.where if c.where else ''})"
+                          for c in self.culprits)
+        blocked = ", ".join(str(b.rank) for b in self.blocked) or "none on this node"
+        flag = {"progress": f"--progress-timeout {self.timeout_s:g}",
+                "startup": f"--startup-timeout {self.timeout_s:g}",
+                "stopped_peer": "found when a peer failed"}[self.kind]
+        stacks = f"stacks in {self.report_path}" if self.report_path else \
+            f"stacks: {self.culprits[0].stacks_from}"
+        return (f"hang on {self.host}: {names} [{self.reason}; {flag}]; "
+                f"blocked waiting on it: ranks {blocked}; killing the culprit; {stacks}")
+
+    def fields(self) -> dict[str, object]:
+        """The ``hang_detected`` event's fields."""
+        c = self.culprits[0]
+        return {"trigger": self.kind, "rank": c.rank, "local_rank": c.local_rank, "pid": c.pid,
+                "host": self.host, "idle_s": round(c.idle_s, 2), "where": c.where,
+                "culprits": [x.rank for x in self.culprits], "blocked": [x.rank for x in self.blocked],
+                "reason": self.reason, "timeout_s": self.timeout_s, "report": self.report_path,
+                "stacks_from": c.stacks_from}
+
+
+@dataclass
+class _Rank:
+    rank: int
+    handle: ProcessHandle
+    started: float  # time.monotonic() when watched
+    baseline: int  # the slot's step count then
+
+
+class ProgressWatch:
+    """Judges one node's workers by their steps; see the module docstring."""
+
+    def __init__(self, block: WorkerStepsBlock, *, progress_timeout: Optional[float],
+                 startup_timeout: Optional[float], stacks: Optional[StackDumper] = None,
+                 on_hang: Optional[Callable[[Hang], None]] = None) -> None:
+        self.block = block
+        self.progress_timeout = check_timeout(progress_timeout, "--progress-timeout")
+        self.startup_timeout = check_timeout(startup_timeout, "--startup-timeout")
+        self._stacks, self._on_hang = stacks, on_hang
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ranks: dict[int, _Rank] = {}
+        self._report_dir: Optional[Path] = None
+        self._fired = False
+        self._closed = False
+        self._by_pid: dict[int, Hang] = {}
+        self._unseen: list[Hang] = []
+        self._thread = threading.Thread(target=self._run, name="elastictk-progress", daemon=True)
+        self._thread.start()
+
+    # -- the agent's calls -------------------------------------------------------------------
+    def arm(self, pids: Mapping[int, int], ranks: Mapping[int, int], report_dir: object) -> None:
+        """Watch a freshly started attempt; every clock starts now."""
+        with self._lock:
+            self._drop_all()
+            self._by_pid.clear()
+            self._unseen.clear()
+            self._fired = False
+            self._report_dir = Path(str(report_dir)) if report_dir is not None else None
+            slots = self._slots()
+            now = time.monotonic()
+            for lr, pid in pids.items():
+                self._add(lr, pid, ranks.get(lr, lr), now, slots)
+        self._wake.set()
+
+    def replace(self, local_rank: int, pid: int, rank: int) -> None:
+        """A replacement (in place) runs in ``local_rank``: its startup clock starts now, and
+        the others' steps are counted afresh (they wait for it to re-form)."""
+        with self._lock:
+            slots = self._slots()
+            now = time.monotonic()
+            old = self._ranks.pop(local_rank, None)
+            if old is not None:
+                old.handle.close()
+            self._add(local_rank, pid, rank, now, slots)
+            for lr, r in self._ranks.items():
+                r.baseline = slots[lr].steps if lr < len(slots) else 0
+            self._fired = False
+        self._wake.set()
+
+    def forget(self, local_rank: int) -> None:
+        """The worker of ``local_rank`` exited; judging waits for its replacement."""
+        with self._lock:
+            r = self._ranks.pop(local_rank, None)
+            if r is not None:
+                r.handle.close()
+            self._fired = True  # until replace() or arm()
+
+    def pause(self) -> None:
+        """Judge nothing until the next :meth:`arm` or :meth:`replace`."""
+        with self._lock:
+            self._fired = True
+
+    def take_new(self) -> list[Hang]:
+        with self._lock:
+            out, self._unseen = self._unseen, []
+        return out
+
+    def blame_stopped(self, failed: list[int]) -> Optional[Hang]:
+        """Workers ``failed`` (PIDs) on their own — most often a collective's backend timeout —
+        while a sibling sits stopped (state T): the stopped rank froze the collective and is the
+        culprit, whatever the failed worker's error says. Declared as a ``stopped_peer`` hang
+        (stacks dumped, the stopped rank named and killed) that the failed workers map to too,
+        so the failure is reported as the hang it was."""
+        with self._lock:
+            if self._closed or not self._ranks or any(p in self._by_pid for p in failed):
+                return None
+            ranks = dict(self._ranks)
+            stopped = [lr for lr, r in ranks.items()
+                       if r.handle.pid not in failed and _state(r.handle.pid) in ("T", "t")]
+            if not stopped:
+                return None
+            self._fired = True
+            slots = self._slots()
+            last = {lr: slots[lr].last_step_mono if lr < len(slots) else 0.0 for lr in ranks}
+            stepped = {lr: last[lr] > r.started for lr, r in ranks.items()}
+            report_dir = self._report_dir
+        self._declare("stopped_peer", self.progress_timeout or 0.0, stopped, ranks, slots, last,
+                      stepped, report_dir)
+        with self._lock:
+            hang = self._by_pid.get(ranks[stopped[0]].handle.pid)
+            if hang is not None:
+                for p in failed:
+                    self._by_pid[p] = hang
+        return hang
+
+    def hang_of(self, pid: int) -> Optional[Hang]:
+        """The hang a worker was killed for in the current attempt, if it was."""
+        with self._lock:
+            return self._by_pid.get(pid)
+
+    def killed(self) -> dict[int, Hang]:
+        """PID -> hang of every worker killed in the current attempt."""
+        with self._lock:
+            return dict(self._by_pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop_all()
+        self._wake.set()
+        self._thread.join(timeout=PYSPY_TIMEOUT + 5)
+
+    # -- inside -------------------------------------------------------------------------------
+    def _add(self, lr: int, pid: int, rank: int, now: float, slots: list[SlotSnapshot]) -> None:
+        try:
+            handle = ProcessHandle(pid)
+        except (ValueError, OSError):
+            return  # already gone: the agent sees its exit
+        self._ranks[lr] = _Rank(rank, handle, now, slots[lr].steps if lr < len(slots) else 0)
+
+    def _drop_all(self) -> None:
+        for r in self._ranks.values():
+            r.handle.close()
+        self._ranks.clear()
+
+    def _slots(self) -> list[SlotSnapshot]:
+        return self.block.snapshot()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                wait = self._check()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive one bad look
+                log.exception("progress check failed")
+                wait = 5.0
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _check(self) -> Optional[float]:
+        """One look; the seconds until the next deadline (None: nothing to wait for)."""
+        with self._lock:
+            if self._fired or self._closed or not self._ranks:
+                return None
+            if any(r.handle.exited() for r in self._ranks.values()):
+                return None  # the agent is stopping or replacing: it re-arms
+            slots = self._slots()
+            if not slots:
+                return None
+            now = time.monotonic()
+            last = {lr: slots[lr].last_step_mono for lr in self._ranks}
+            stepped = {lr: last[lr] > r.started for lr, r in self._ranks.items()}
+            deadlines: dict[int, float] = {}
+            if all(stepped.values()):
+                kind, timeout = "progress", self.progress_timeout
+                if timeout is not None:
+                    since = max(r.started for r in self._ranks.values())
+                    deadlines = {lr: max(last[lr], since) + timeout for lr in self._ranks}
+            else:
+                kind, timeout = "startup", self.startup_timeout
+                if timeout is not None:
+                    deadlines = {lr: r.started + timeout for lr, r in self._ranks.items()
+                                 if not stepped[lr]}
+            # Before every rank has stepped nothing tells this thread when one does: it looks
+            # again within half the progress timeout (at most FIRST_STEP_LOOK), which is soon
+            # enough for the first progress deadline (counted from the step, not the look).
+            first = (min(self.progress_timeout / 2, FIRST_STEP_LOOK)
+                     if kind == "startup" and self.progress_timeout is not None else None)
+            if not deadlines or timeout is None:
+                return first
+            due = [lr for lr, d in deadlines.items() if d <= now]
+            if not due:
+                wait = min(MAX_SLEEP, max(0.01, min(deadlines.values()) - now + 0.01))
+                return wait if first is None else min(wait, first)
+            self._fired = True
+            ranks = dict(self._ranks)
+            report_dir = self._report_dir
+        self._declare(kind, timeout, due, ranks, slots, last, stepped, report_dir)
+        return None
+
+    def _declare(self, kind: str, timeout: float, due: list[int], ranks: dict[int, _Rank],
+                 slots: list[SlotSnapshot], last: dict[int, float], stepped: dict[int, bool],
+                 report_dir: Optional[Path]) -> None:
+        now = time.monotonic()
+        states = {lr: _state(r.handle.pid) for lr, r in ranks.items()}
+        steps = {lr: slots[lr].steps - r.baseline for lr, r in ranks.items()}
+        idle = {lr: 0.0 if last[lr] == math.inf else now - (last[lr] if stepped[lr] else r.started)
+                for lr, r in ranks.items()}  # inf: the rank's script has ended (not judged)
+        culprits, reason = _culprits(kind, due, states, steps, idle, stepped)
+        dumps = self._dump(ranks, states)
+        infos = {lr: RankState(lr, r.rank, r.handle.pid, steps[lr], idle[lr], states[lr],
+                               dumps[lr][2], dumps[lr][0], dumps[lr][1])
+                 for lr, r in ranks.items()}
+        path = _write_report(report_dir, kind, timeout, infos, culprits)
+        hang = Hang(kind, timeout, tuple(infos[lr] for lr in culprits),
+                    tuple(infos[lr] for lr in sorted(ranks) if lr not in culprits), reason,
+                    socket.gethostname(), path)
+        with self._lock:
+            for c in hang.culprits:
+                self._by_pid[c.pid] = hang
+            self._unseen.append(hang)
+        log.warning("%s", hang.describe())
+        if self._on_hang is not None:
+            try:
+                self._on_hang(hang)
+            except Exception:  # noqa: BLE001 - the kill below must happen regardless
+                log.exception("on_hang callback failed")
+        for lr in culprits:
+            ranks[lr].handle.send(signal.SIGKILL)
+
+    def _dump(self, ranks: dict[int, _Rank], states: dict[int, str]) -> dict[int, tuple[str, str, Optional[str]]]:
+        """Local rank -> (stacks, where they came from, innermost user frame)."""
+        running = [lr for lr in sorted(ranks) if states[lr] not in ("T", "t", "Z", "?")]
+        got: Mapping[int, tuple[int, str, str]] = {}
+        if self._stacks is not None and running:
+            try:
+                got = self._stacks(running)
+            except Exception:  # noqa: BLE001 - fall back to py-spy
+                log.exception("stack dump through the timer region failed")
+        out: dict[int, tuple[str, str, Optional[str]]] = {}
+        for lr, r in ranks.items():
+            text = got.get(lr, (0, "", ""))[1]
+            if text.strip():
+                out[lr] = (text, "faulthandler", _where_faulthandler(text))
+                continue
+            text, note = pyspy_dump(r.handle.pid, stopped=states[lr] in ("T", "t"))
+            out[lr] = (text, "py-spy" if text else note, _where_pyspy(text) if text else None)
+        return out
+
+
+def _state(pid: int) -> str:
+    st = read_stat(pid)
+    return "?" if st is None else st.state
+
+
+def _culprits(kind: str, due: list[int], states: Mapping[int, str], steps: Mapping[int, int],
+              idle: Mapping[int, float], stepped: Mapping[int, bool]) -> tuple[list[int], str]:
+    """Which ranks stopped progressing first, and why we think so."""
+    stopped = sorted(lr for lr, s in states.items() if s in ("T", "t"))
+    if stopped:
+        return stopped, "stopped by a signal (state T)"
+    if kind == "startup":
+        return sorted(lr for lr in due if not stepped[lr]), "never completed a first step"
+    low = min(steps.values())
+    if len(set(steps.values())) > 1:
+        return sorted(lr for lr, n in steps.items() if n == low), f"fewest steps ({low})"
+    oldest, newest = max(idle.values()), min(idle.values())
+    if oldest - newest > 1.0:
+        return sorted(lr for lr, s in idle.items() if oldest - s <= 1.0), "oldest last step"
+    return sorted(due), "no rank stands out: all stalled together"
+
+
+def _where_faulthandler(text: str) -> Optional[str]:
+    threads = [t for t in parse(text) if t.frames]
+    if not threads:
+        return None
+    chosen = next((t for t in threads if t.current), threads[0])
+    frame = next((f for f in chosen.frames if not f.is_library), chosen.frames[0])
+    return frame.short()
+
+
+def _where_pyspy(text: str) -> Optional[str]:
+    """Innermost user frame of the first thread in a ``py-spy dump`` (the main thread)."""
+    frames: list[Frame] = []
+    for line in text.splitlines():
+        if line.startswith("Thread ") and frames:
+            break
+        m = _PYSPY_FRAME.match(line)
+        if m:
+            frames.append(Frame(m.group(2), int(m.group(3)), m.group(1)))
+    if not frames:
+        return None
+    return next((f for f in frames if not f.is_library), frames[0]).short()
+
+
+def pyspy_path() -> Optional[str]:
+    """py-spy next to this interpreter (a venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def pyspy_dump(pid: int, *, stopped: bool) -> tuple[str, str]:
+    """``py-spy dump`` of ``pid``: (text, "") or ("", one line saying why there is none).
+
+    A stopped process cannot be suspended by ptrace the usual way, so it is read without
+    pausing (``--nonblocking``); a running one is paused for a consistent dump, and read
+    without pausing if that fails.
+    """
+    exe = pyspy_path()
+    if exe is None:
+        return "", "stacks not available: py-spy is not installed (pip install py-spy)"
+    tries = [["--nonblocking"]] if stopped else [[], ["--nonblocking"]]
+    why = ""
+    for extra in tries:
+        try:
+            p = subprocess.run([exe, "dump", "--full-filenames", *extra, "--pid", str(pid)],
+                               capture_output=True, text=True, timeout=PYSPY_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+            continue
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout, ""
+        lines = [ln for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
+        why = lines[0] if lines else f"exit {p.returncode}"
+    if "ermission" in why or "ptrace" in why.lower():
+        why += " (ptrace is not permitted: see /proc/sys/kernel/yama/ptrace_scope or CAP_SYS_PTRACE)"
+    return "", f"stacks not available: py-spy: {why}"
+
+
+def _write_report(report_dir: Optional[Path], kind: str, timeout: float,
+                  infos: Mapping[int, RankState], culprits: list[int]) -> Optional[str]:
+    if report_dir is None:
+        return None
+    head = "a stopped rank found when a peer failed" if kind == "stopped_peer" else f"{kind} timeout {timeout:g}s"
+    lines = [f"progress watchdog: {head} on {socket.gethostname()}", ""]
+    for lr in sorted(infos):
+        i = infos[lr]
+        role = "CULPRIT" if lr in culprits else "blocked"
+        lines += [f"== rank {i.rank} (local {lr}, pid {i.pid}, state {i.state}): {role}, "
+                  f"{i.steps} steps, {i.idle_s:.1f}s without a step; stacks from {i.stacks_from}",
+                  i.stacks.rstrip() or "(no stacks)", ""]
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        path = report_dir / REPORT_NAME
+        path.write_text("\n".join(lines))
+        return str(path)
+    except OSError as e:
+        log.warning("cannot write the hang report to %s: %s", report_dir, e)
+        return None
+
+
+def worker_env(enabled: bool) -> dict[str, str]:
+    """What workers need for the progress watchdog beyond the steps block's own variables:
+    the timer region attached at start, so a running worker can dump its stacks on request."""
+    return {"ELASTICTK_PROGRESS_STACKS": "1"} if enabled else {}
+
+
+__all__ = ["Hang", "ProgressWatch", "RankState", "check_timeout", "pyspy_dump", "worker_env"]

@@ -1,0 +1,124 @@
+"""What a job asked of its snapshots: tiers, directory, cadence, memory bound (no torch).
+
+The launcher reads ``--snapshot``, ``--snapshot-dir``, ``--snapshot-every`` and
+``--snapshot-memory``; workers read the same settings from the environment the agent gives
+them (:data:`ENV_TIERS` ...), or from ``State(..., snapshot_dir=...)`` in code, which is how a
+plain torchrun script gets the disk tier.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+TIERS = ("local", "disk")
+ENV_TIERS = "ELASTICTK_SNAPSHOT"  # "local", "disk" or "local,disk"
+ENV_DIR = "ELASTICTK_SNAPSHOT_DIR"
+ENV_EVERY = "ELASTICTK_SNAPSHOT_EVERY"
+ENV_MEMORY = "ELASTICTK_SNAPSHOT_MEMORY"
+ENV_REGIONS = "ELASTICTK_SNAPSHOT_REGIONS"  # /proc/<agent pid>/fd/<fd>
+ENV_REGION_SIZE = "ELASTICTK_SNAPSHOT_REGION_SIZE"  # bytes per local rank
+DEFAULT_EVERY = 10
+KEEP = 2  # complete disk snapshots kept
+PAGE = 4096
+MIN_REGION = 4 * PAGE
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+class SettingsError(ValueError):
+    """A snapshot setting is malformed; the message is one line naming it."""
+
+
+def parse_tiers(text: str, what: str) -> tuple[str, ...]:
+    """``local``, ``disk`` or ``local,disk``; ``what`` names the input in an error line."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise SettingsError(f"{what}: name a tier: local, disk or local,disk")
+    bad = [t for t in names if t not in TIERS]
+    if bad:
+        raise SettingsError(f"{what}: unknown tier {bad[0]!r}; use local, disk or local,disk")
+    return tuple(t for t in TIERS if t in names)
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """``1000000``, ``512M``, ``2G``, ``1.5GiB`` to bytes (decimal units; ``*iB`` binary)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise SettingsError(f"{what}: give bytes, e.g. 2000000000, 512M or 2G")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < MIN_REGION:
+        raise SettingsError(f"{what}: at least {MIN_REGION} bytes")
+    return value
+
+
+def parse_every(text: str, what: str) -> int:
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SettingsError(f"{what}: a whole number of commits, at least 1")
+    return n
+
+
+def default_memory() -> int:
+    """A quarter of this host's memory: the memfd is sparse, pages are used only when written."""
+    try:
+        return max(MIN_REGION, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
+    except (ValueError, OSError):  # pragma: no cover
+        return 2 * 10**9
+
+
+def human(n: float) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def region_size(memory: int, local_world_size: int) -> int:
+    """Bytes of the agent's memfd each local rank gets (page aligned)."""
+    return max(MIN_REGION, memory // max(1, local_world_size) // PAGE * PAGE)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The tiers a worker writes, and where."""
+
+    tiers: tuple[str, ...] = ()
+    directory: Optional[str] = None
+    every: int = DEFAULT_EVERY
+    regions: Optional[str] = None  # the agent's memfd, for the local tier
+    region_size: int = 0
+    memory: int = 0  # the node's bound, for messages
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str], *, tiers: Optional[str] = None,
+                directory: Optional[str] = None, every: Optional[int] = None) -> "Settings":
+        """Code's arguments over the environment. ``directory`` alone means the disk tier."""
+        raw = tiers if tiers is not None else env.get(ENV_TIERS, "")
+        names = parse_tiers(raw, f"snapshot={raw!r}" if tiers is not None else f"{ENV_TIERS}={raw!r}") if raw else ()
+        directory = directory or env.get(ENV_DIR) or None
+        if directory and not names:
+            names = ("disk",)
+        if "disk" in names and not directory:
+            raise SettingsError("the disk tier needs a directory: --snapshot-dir DIR, "
+                                f"{ENV_DIR}, or State(..., snapshot_dir=DIR)")
+        if every is None:
+            raw_every = env.get(ENV_EVERY, "")
+            every = parse_every(raw_every, f"{ENV_EVERY}={raw_every!r}") if raw_every else DEFAULT_EVERY
+        elif every < 1:
+            raise SettingsError(f"snapshot_every {every!r}: at least 1")
+        regions = env.get(ENV_REGIONS) or None
+        size = int(env.get(ENV_REGION_SIZE, "0") or 0)
+        memory = int(env.get(ENV_MEMORY, "0") or 0) if (env.get(ENV_MEMORY, "") or "").isdigit() else 0
+        return cls(names, directory, every, regions, size, memory)

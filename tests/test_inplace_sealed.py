@@ -1,0 +1,320 @@
+"""The in-place store is covered by the job's token (issue #17).
+
+With ``--rdzv-token`` the agent derives a per-run in-place key from the token and the run's
+nonce and hands only that key to its workers (``ELASTICTK_INPLACE_KEY``); generation, ready
+and error records on the in-place store are sealed with it, and one that does not verify reads
+as absent, on the agent's side and on the workers'. Without a token nothing changes (the same
+forged writes are believed: the failing side of each test).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from elastictk.agent.coordination import Budget
+from elastictk.agent.inplace import InPlaceRound
+from elastictk.agent.inplace_host import Setup, inplace_key
+from elastictk.agent.policy import RestartPolicy
+from elastictk.inplace.protocol import (
+    ENV_KEY, Generation, Sealer, error_key, gen_key, ready_key, ready_value, round_prefix,
+)
+from elastictk.rendezvous.auth import Signer
+from elastictk.rendezvous.sealed import Records, derive_key
+from elastictk.store import FileStore, TCPStore
+from elastictk.supervisor.group import WorkerGroup
+from elastictk.supervisor.spec import WorkerSpec
+from tests.test_inplace_scaling import CONF, INPLACE, ROOT, check_samples, close_to, fault_free, final_weights
+from tests.test_worker_group import assignment
+
+TOKEN = "s3cret-token"
+RUN = "0123456789abcdef0123456789abcdef"
+PREFIX = "round1"
+
+
+def signer(run: str = RUN) -> Signer:
+    return Signer(TOKEN, "sealed", run)
+
+
+def test_the_inplace_key_is_derived_per_run_and_is_not_the_token() -> None:
+    key = inplace_key(signer())
+    assert key is not None and TOKEN not in key and len(key) == 64
+    assert key == derive_key(signer(), "inplace")
+    assert key != inplace_key(signer("f" * 32)), "another run, another key"
+    assert key != derive_key(signer(), "other")
+    assert inplace_key(Signer(None)) is None
+
+
+def test_a_sealed_value_binds_its_key_name_and_value() -> None:
+    key = inplace_key(signer())
+    sealer = Sealer(key, PREFIX)
+    raw = sealer.seal(error_key(0), b'{"rank":1}')
+    assert sealer.open(error_key(0), raw) == b'{"rank":1}'
+    assert sealer.open(error_key(1), raw) is None, "replayed under another generation"
+    assert Sealer(key, "round2").open(error_key(0), raw) is None, "replayed under another round"
+    assert sealer.open(error_key(0), raw[:-1] + b"}}") is None, "value changed"
+    assert sealer.open(error_key(0), b'{"rank":1}') is None, "unsealed"
+    assert sealer.open(error_key(0), b"") is None and sealer.open(error_key(0), None) is None
+    assert Sealer(inplace_key(signer("f" * 32)), PREFIX).open(error_key(0), raw) is None
+    plain = Sealer(None, PREFIX)  # no token: nothing sealed, all believed
+    assert plain.seal(error_key(0), b"x") == b"x" and plain.open(error_key(0), b"x") == b"x"
+
+
+def test_a_claim_replaces_forged_bytes_but_not_a_sealed_record() -> None:
+    server = TCPStore.serve("127.0.0.1", 0)
+    try:
+        sealer = Sealer(inplace_key(signer()), PREFIX)
+        name = f"{PREFIX}/{gen_key(1)}"
+
+        def cas(old: Optional[bytes], new: bytes) -> Optional[bytes]:
+            return server.compare_set(name, old, new)
+
+        server.set(name, Generation(1, 2, finished=True).to_json())  # forged
+        real = Generation(1, 2, reason="real").to_json()
+        assert sealer.claim(gen_key(1), real, cas) == (True, real)
+        assert sealer.open(gen_key(1), server.try_get(name)) == real
+        assert sealer.claim(gen_key(1), b"later", cas) == (False, real)
+    finally:
+        server.close()
+
+
+# -- the workers' side -----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def worker_session(key: Optional[str]) -> Iterator[tuple[Any, TCPStore]]:
+    import torch.distributed as dist
+
+    from elastictk.inplace.loop import Session
+
+    server = TCPStore.serve("127.0.0.1", 0)
+    raw = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                        timeout=datetime.timedelta(seconds=10), use_libuv=True)
+    store = dist.PrefixStore(PREFIX, raw)
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", raw), rank=0, world_size=1)
+        session = Session("gloo", 10, 0, 1, store, node="a", key=key, prefix=PREFIX)
+        session.wait_s = 1.0
+        yield session, server
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        del store, raw
+        server.close()
+
+
+def test_the_workers_ignore_a_forged_generation_and_follow_a_sealed_one() -> None:
+    from elastictk.inplace.loop import Context, RecoveryError
+
+    key = inplace_key(signer())
+    sealer = Sealer(key, PREFIX)
+    with worker_session(key) as (session, server):
+        forged = Generation(1, 1, finished=True).to_json()
+        server.set(f"{PREFIX}/{gen_key(1)}", forged)
+        session._next_check = 0.0
+        assert not session.superseded(0), "a forged next generation is absent"
+        with pytest.raises(RecoveryError):
+            session._next_generation(after=0)  # waited past, as if absent
+        # Rank 0 ending the job replaces the forged record with its own sealed one.
+        assert session.finish(Context(0, 1, generation=0)) is True
+        ended = Generation.from_json(sealer.open(gen_key(1), server.try_get(f"{PREFIX}/{gen_key(1)}")) or b"")
+        assert ended.finished and ended.reason == "finished"
+        # A sealed generation is followed.
+        server.set(f"{PREFIX}/{gen_key(2)}", sealer.seal(gen_key(2), Generation(2, 1, reason="real").to_json()))
+        session._next_check = 0.0
+        assert session.superseded(1)
+        assert session._next_generation(after=1).reason == "real"
+        # What the workers write is sealed: an error the agent can verify.
+        session.report_error(Context(0, 1, generation=3), "peer gone")
+        assert sealer.open(error_key(3), server.try_get(f"{PREFIX}/{error_key(3)}")) is not None
+
+
+def test_without_a_token_the_workers_follow_a_forged_generation() -> None:
+    """The failing side: the same forged record ends the workers' job."""
+    from elastictk.inplace.loop import Context
+
+    with worker_session(None) as (session, server):
+        server.set(f"{PREFIX}/{gen_key(1)}", Generation(1, 1, finished=True).to_json())
+        session._next_check = 0.0
+        assert session.superseded(0)
+        assert session._next_generation(after=0).finished
+        assert session.finish(Context(0, 1, generation=0)) is False  # the "job" is someone else's now
+
+
+# -- the agent's side ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def agent_round(tmp_path: Path, token: bool) -> Iterator[tuple[InPlaceRound, TCPStore, list[Any]]]:
+    events: list[Any] = []
+    server = TCPStore.serve("127.0.0.1", 0)
+    files = FileStore(tmp_path / "job")
+    job = Budget(Records(files, "rdzv/sealed", signer() if token else Signer(None)))
+    spec = WorkerSpec(["/bin/sh", "-c", "exec sleep 600"], local_world_size=2)
+    setup = Setup(f"127.0.0.1:{server.port}", PREFIX, 0, False)
+    try:
+        with WorkerGroup(spec, tmp_path / "logs") as group:
+            group.start(0, assignment(group_rank=0, nodes=1))
+            rnd = InPlaceRound(group, job, RestartPolicy(max_restarts=0), setup, 2, {"n0": 0},
+                               emit=lambda kind, **kw: events.append((kind, kw)))
+            try:
+                yield rnd, server, events
+            finally:
+                rnd.close()
+                group.stop(grace=5)
+    finally:
+        files.close()
+        server.close()
+
+
+def forged_error() -> bytes:
+    return json.dumps({"rank": 1, "error": "forged", "t": time.time()}).encode()
+
+
+def saw_error(rnd: InPlaceRound, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if rnd._errors.is_set():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_agent_ignores_a_forged_error_and_ready_and_acts_on_sealed_ones(tmp_path: Path) -> None:
+    with agent_round(tmp_path, token=True) as (rnd, server, events):
+        key = rnd.env("n0", 0)[ENV_KEY]
+        assert key == inplace_key(signer()) and TOKEN not in json.dumps(rnd.env("n0", 0))
+        sealer = Sealer(key, PREFIX)
+        server.set(f"{PREFIX}/{error_key(0)}", forged_error())
+        server.set(f"{PREFIX}/{ready_key(0)}", ready_value(time.time()))
+        assert not saw_error(rnd, 1.5), "a forged error is absent"
+        assert not rnd.poll() and rnd.deadline is None
+        assert not rnd.cooperative() and not rnd._formed(0)
+        server.set(f"{PREFIX}/{ready_key(0)}", sealer.seal(ready_key(0), ready_value(time.time())))
+        assert rnd.cooperative()
+        server.set(f"{PREFIX}/{error_key(0)}", sealer.seal(error_key(0), forged_error()))
+        assert saw_error(rnd, 5), "a sealed error wakes the agent"
+        assert not rnd.poll() and rnd.deadline is not None
+        assert not events
+
+
+def test_the_agent_publishes_sealed_generations_over_forged_bytes(tmp_path: Path) -> None:
+    with agent_round(tmp_path, token=True) as (rnd, server, _events):
+        sealer = Sealer(rnd.env("n0", 0)[ENV_KEY], PREFIX)
+        server.set(f"{PREFIX}/{gen_key(1)}", Generation(1, 2, finished=True).to_json())  # forged, first
+        assert rnd._next(3, "replaced") == 1
+        g = Generation.from_json(sealer.open(gen_key(1), server.try_get(f"{PREFIX}/{gen_key(1)}")) or b"")
+        assert (g.gen, g.restart_count, g.reason, g.finished) == (1, 3, "replaced", False)
+
+
+def test_without_a_token_the_agent_acts_on_a_forged_error(tmp_path: Path) -> None:
+    """The failing side: the same forged error wakes the agent, which starts the countdown to
+    restarting every worker."""
+    with agent_round(tmp_path, token=False) as (rnd, server, _events):
+        assert ENV_KEY not in rnd.env("n0", 0)
+        server.set(f"{PREFIX}/{error_key(0)}", forged_error())
+        assert saw_error(rnd, 5)
+        assert not rnd.poll() and rnd.deadline is not None
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+STEPS = 40
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (the agent: its in-place store)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def events_of(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def run_attacked(tmp: Path, token: bool) -> tuple[int, str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """One node, two workers, in place; at step 5 a stranger writes a forged error for the
+    current generation and a forged "finished" next generation into the in-place store."""
+    trace, events = tmp / "trace.jsonl", tmp / "events.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "ELASTICTK_RDZV_TOKEN"}
+    if token:
+        env["ELASTICTK_RDZV_TOKEN"] = TOKEN
+    cmd = [sys.executable, "-m", "elastictk.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "file", "--rdzv-endpoint", str(tmp / "rdzv"), "--rdzv-id", "sealed",
+           "--rdzv-conf", CONF, "--max-restarts", "0", "--recovery", "in-place",
+           "--log-dir", str(tmp / "logs"), "--event-log", str(events),
+           INPLACE, "--steps", str(STEPS), "--step-time", "0.1", "--trace", str(trace)]
+    agent = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not any(t.get("step", -1) >= 5 for t in events_of(trace)):
+            assert agent.poll() is None and time.monotonic() < deadline, "the job never reached step 5"
+            time.sleep(0.1)
+        kinds = events_of(events)
+        rnd = [e for e in kinds if e["kind"] == "round_joined"][-1]["fields"]["round"]
+        attempt = [e for e in kinds if e["kind"] == "workers_started"][-1]["fields"]["attempt"]
+        prefix = round_prefix("sealed", rnd, attempt)
+        (port,) = listening_ports(agent.pid)
+        stranger = TCPStore.connect(f"127.0.0.1:{port}")
+        try:
+            stranger.set(f"{prefix}/{error_key(0)}", forged_error())
+            stranger.set(f"{prefix}/{gen_key(1)}", Generation(1, 2, finished=True).to_json())
+        finally:
+            stranger.close()
+        out = agent.communicate(timeout=180)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    return agent.returncode, out, events_of(events), events_of(trace)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return fault_free(tmp_path_factory.mktemp("ref"), STEPS)
+
+
+def test_a_forged_error_and_generation_do_not_disturb_a_job_with_a_token(
+        tmp_path: Path, reference: list[float]) -> None:
+    rc, out, kinds, trace = run_attacked(tmp_path, token=True)
+    assert rc == 0, out[-3000:]
+    names = [e["kind"] for e in kinds]
+    for bad in ("worker_failed", "worker_frozen", "inplace_fallback", "restart", "inplace_recovery"):
+        assert bad not in names, (bad, out[-3000:])
+    assert names.count("workers_started") == 1
+    assert [e for e in kinds if e["kind"] == "job_finished"][-1]["fields"]["restarts"] == 0
+    assert "ignored in-place store key" in out, out[-3000:]
+    assert set(check_samples(trace, STEPS).values()) == {2}
+    assert {t["gen"] for t in trace if "step" in t} == {0}, "the workers never left generation 0"
+    assert close_to(final_weights(trace), reference)
+
+
+def test_without_a_token_the_same_forged_writes_end_the_job_early(tmp_path: Path) -> None:
+    """The failing side: the workers believe the forged "finished" generation and stop."""
+    _rc, out, _kinds, trace = run_attacked(tmp_path, token=False)
+    trained = {t["step"] for t in trace if "step" in t}
+    assert max(trained) < STEPS - 1, out[-3000:]
+    with pytest.raises(AssertionError):
+        check_samples(trace, STEPS)

@@ -1,0 +1,66 @@
+"""``--recovery in-place`` with ``--rdzv-token`` (issue #17): the in-place path charges the same
+sealed restart state as restart-all, and a forged state is not believed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from elastictk.agent.coordination import restart_count
+from elastictk.agent.inplace import spend_restart
+from elastictk.agent.policy import RestartPolicy
+from elastictk.rendezvous import RendezvousHandler
+from elastictk.store import FileStore
+from tests.test_inplace_scaling import Job, check_samples
+from tests.test_rendezvous import fast
+
+TOKEN = "s3cret-token"
+
+
+def test_the_inplace_charge_is_sealed_and_a_forged_reset_is_not_believed(tmp_path: Path) -> None:
+    from elastictk.agent.coordination import Budget
+
+    store = FileStore(tmp_path / "rdzv", timeout=20)
+    h = RendezvousHandler(FileStore(tmp_path / "rdzv", timeout=20), fast("ip", 1, 1, token=TOKEN), node_id="a")
+    try:
+        h.next_round()
+        budget = Budget(h.records)
+        policy = RestartPolicy(max_restarts=5)
+        assert [spend_restart(budget, policy, "boom").restart_count for _ in range(2)] == [1, 2]
+        # restart-all's signed read accepts what the in-place path wrote
+        assert restart_count(h.store, h.signer, h.prefix) == 2
+        state = json.loads(store.try_get("rdzv/ip/policy") or b"{}")
+        assert "mac" in state
+        state.pop("mac")
+        state["failures"] = 0
+        store.set("rdzv/ip/policy", json.dumps(state).encode())  # a stranger resets the count
+        assert budget.restart_count() == 2
+        assert spend_restart(budget, policy, "again").restart_count == 3, "charged on, not from 0"
+    finally:
+        h.close()
+        store.close()
+
+
+def test_two_nodes_with_a_token_recover_in_place_twice_then_lose_a_node(tmp_path: Path) -> None:
+    os.environ["ELASTICTK_RDZV_TOKEN"] = TOKEN  # inherited by both agents (not by their workers)
+    job = Job(tmp_path, "1:2", steps=60, restarts=5)
+    try:
+        crash = ("--crash", "5:0", "--crash", "12:1")  # one worker on each node, once each
+        job.start(*crash)
+        job.start(*crash)
+        job.wait_step(22, timeout=240)
+        survivor = 0 if job.round_rank(0) == 0 else 1
+        victim = job.agents[1 - survivor]
+        victim.send_signal(signal.SIGKILL)
+        outs = job.finish(timeout=240)
+        assert job.agents[survivor].returncode == 0, outs[survivor][-3000:]
+        assert "not signed" not in outs[survivor], outs[survivor][-3000:]
+        kinds = job.kinds(survivor)
+        recovered = [e for e in kinds if e["kind"] == "inplace_recovery"]
+        finished = [e for e in kinds if e["kind"] == "job_finished"]
+        assert finished and finished[-1]["fields"]["restarts"] == 2, (recovered, finished)
+        check_samples(job.trained(), 60)
+    finally:
+        os.environ.pop("ELASTICTK_RDZV_TOKEN", None)
+        job.close()

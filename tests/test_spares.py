@@ -1,0 +1,147 @@
+"""Spares: a node beyond ``--nnodes`` MAX waits, costs the running job nothing, and takes a lost
+member's place in the very next round.
+
+Real elastictk-run agents and tiny workers (tests/helpers/agent_worker.py); short heartbeats and
+last call through ``--rdzv-conf``. First on one host (TCPStore on loopback), then on test hosts
+(network namespaces), as issue #21 asks: 4 hosts, ``--nnodes 2:3``, one killed, and the spare
+trains within heartbeat timeout + 1 s with the world back at MAX.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.helpers.netns import Hosts, leftover_namespaces, netns_works
+from tests.test_multinode import ROOT, Job, by_world
+
+HB_TIMEOUT = 2.0
+CONF = f"last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout={HB_TIMEOUT:g},join_timeout=60"
+RUN = ("--sleep", "120", "--until", "stop")
+
+
+def events(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+def wait_event(path: Path, kind: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = events(path, kind)
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} event in {path.name} within {timeout:g}s")
+
+
+class SpareJob(Job):
+    """A :class:`Job` whose agents each write an event log (``agent(i)`` -> ``events<i>.jsonl``)."""
+
+    def __init__(self, tmp: Path, nnodes: str) -> None:
+        super().__init__(tmp, nnodes=nnodes)
+        self.conf = CONF
+        self.logs: list[Path] = []
+
+    def argv(self, endpoint: str | None = None) -> list[str]:
+        log = self.out.parent / f"events{len(self.logs)}.jsonl"
+        self.logs.append(log)
+        if endpoint is not None:
+            self.endpoint = endpoint
+        cmd = self.command(*RUN)
+        cmd[3:3] = ["--event-log", str(log)]
+        return cmd
+
+    def spawn(self) -> subprocess.Popen[str]:
+        p = subprocess.Popen(self.argv(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.agents.append(p)
+        return p
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[SpareJob]:
+    j = SpareJob(tmp_path, "1:2")
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def test_spare_waits_without_restarting_the_job_and_replaces_a_lost_member(job: SpareJob) -> None:
+    a, b = job.spawn(), job.spawn()
+    job.wait_for(lambda s: len(by_world(s, 4)) == 4)
+    spare = job.spawn()
+    waiting = wait_event(job.logs[2], "spare_waiting")
+    assert waiting["fields"]["world"] == 2
+    # Long enough for the old behaviour (re-form on any arrival) to restart the full job:
+    # its members would see the arrival at once and close the next round within last call.
+    time.sleep(HB_TIMEOUT + 0.5)
+    assert len(job.starts()) == 4, "a spare's arrival must not re-form a full job"
+    assert events(job.logs[2], "workers_started") == [] and spare.poll() is None
+    assert all(events(log, "membership_changed") == [] for log in job.logs[:2])
+    victim = b if job.store_host() == a.pid else a  # losing the c10d host ends any c10d job
+    victim.send_signal(signal.SIGKILL)
+    starts = job.wait_for(lambda s: len(by_world(s, 4)) == 8)
+    started = events(job.logs[2], "workers_started")
+    assert len(started) == 1 and started[0]["fields"]["world_size"] == 4, "the spare trains, world back at 2 nodes"
+    assert {s["TORCHELASTIC_RESTART_COUNT"] for s in starts} == {"0"}, "a lost node is no failure"
+    assert sorted(int(s["RANK"]) for s in by_world(starts, 4)[4:]) == [0, 1, 2, 3]
+    (job.out / "stop").touch()
+    results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
+    logs = "\n---\n".join(err[-1500:] for _, err in results.values())
+    assert results[victim.pid][0] == -signal.SIGKILL
+    assert [rc for pid, (rc, _) in results.items() if pid != victim.pid] == [0, 0], logs
+    assert "waits as a spare" in results[spare.pid][1], "one log line says so"
+
+
+PORT = 29400
+
+
+def test_four_hosts_nnodes_2_3_the_spare_trains_within_heartbeat_timeout(tmp_path: Path) -> None:
+    why = netns_works()
+    if why is not None:
+        pytest.skip(f"test hosts need working network namespaces: {why}")
+    hosts = Hosts(4)
+    job = SpareJob(tmp_path, "2:3")
+    try:
+        endpoint = f"{hosts[0].addr}:{PORT}"
+
+        def on(i: int) -> subprocess.Popen[str]:
+            p = hosts[i].popen(job.argv(endpoint), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            job.agents.append(p)
+            return p
+
+        agents = [on(0)]
+        hosts[1].wait_listening(hosts[0].addr, PORT)
+        agents += [on(1), on(2)]
+        job.wait_for(lambda s: len(by_world(s, 6)) == 6)
+        agents.append(on(3))
+        wait_event(job.logs[3], "spare_waiting")
+        time.sleep(HB_TIMEOUT + 0.5)  # the old behaviour re-formed the full job within last call
+        assert len(job.starts()) == 6, "a spare's arrival must not re-form a full job"
+        assert all(events(log, "membership_changed") == [] for log in job.logs[:3])
+        victim = agents[2]  # not host 0: it serves the store
+        killed = time.time()
+        victim.send_signal(signal.SIGKILL)
+        started = wait_event(job.logs[3], "workers_started", timeout=30)
+        took = started["wall"] - killed
+        assert started["fields"]["world_size"] == 6, "world back at MAX (3 nodes x 2)"
+        assert took <= HB_TIMEOUT + 1.0, f"the spare trained {took:.2f}s after the kill"
+        starts = job.wait_for(lambda s: len(by_world(s, 6)) == 12)
+        assert len(starts) == 12, "one re-form: the spare's arrival restarted nothing"
+        assert {s["MASTER_ADDR"] for s in starts} == {hosts[0].addr}
+        (job.out / "stop").touch()
+        results = dict(zip((p.pid for p in job.agents), job.finish(timeout=60)))
+        logs = "\n---\n".join(err[-1500:] for _, err in results.values())
+        assert [results[p.pid][0] for p in agents if p is not victim] == [0, 0, 0], logs
+        print(f"spare trained {took:.2f}s after the kill (heartbeat timeout {HB_TIMEOUT:g}s)")
+    finally:
+        job.close()
+        hosts.close()
+        assert leftover_namespaces(hosts.tag) == [], "namespaces left behind"

@@ -111,6 +111,10 @@ def become_worker(
     from ..timer.boot import activate_from_env
 
     activate_from_env()
+    # A forked worker's timing makes torch's exit-time GIL deadlock of DDP models likely.
+    from .groupkeep import install
+
+    install()
     # The hooks the launcher named (fault injection's and the metrics' step counts), by name:
     # this package imports none of them (subprocess workers: elastictk/faults/env.py).
     for name in os.environ.get("ELASTICTK_WORKER_HOOKS", "").split(","):

@@ -76,9 +76,25 @@ def test_failed_workers_raise_child_failed_error_with_the_failures(tmp_path: Pat
     out = call("elastictk", ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
                              "--log-dir", str(tmp_path / "logs"), str(worker)], tmp_path)
     assert out["raised"] == "ChildFailedError" and out["type"] == "WorkersFailed", out
-    assert out["ranks"] == [1] and out["first_rank"] == 1 and out["exitcode"] == 1
+    # rank 0 is in the failures too when it was still starting and got stopped (as in torch:
+    # the next test)
+    assert out["ranks"] in ([1], [0, 1]) and out["first_rank"] == 1 and out["exitcode"] == 1
     assert Path(str(out["error_file"])).is_file()
     assert "rank one broke" in str(out["message"]) and str(worker) in str(out["message"])
+
+
+def test_ranks_stopped_after_the_failure_are_failures_too_as_in_torch(tmp_path: Path) -> None:
+    """Rank 0 is still running when rank 1 fails: the launcher stops it, and like torch's
+    ``failures`` ours holds both, rank 1 first."""
+    worker = tmp_path / "w.py"
+    worker.write_text("import os, time\n\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n"
+                      "time.sleep(60)\n")
+    argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(worker)]
+    ours = call("elastictk", [*argv[:-1], "--log-dir", str(tmp_path / "logs"), argv[-1]], tmp_path)
+    theirs = call("torch", [*argv[:-1], "--log-dir", str(tmp_path / "tlogs"), argv[-1]], tmp_path)
+    assert theirs["raised"] == "ChildFailedError" and theirs["ranks"] == [0, 1], theirs
+    assert ours["raised"] == "ChildFailedError" and ours["ranks"] == [0, 1], ours
+    assert ours["first_rank"] == theirs["first_rank"] == 1 and ours["exitcode"] == theirs["exitcode"] == 3
 
 
 def test_a_finished_job_returns_zero(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,8 +106,9 @@ def test_every_worker_lost_resumes_from_local_memory_with_the_fault_free_weights
     later = [r for r in recs if r["restart"] > 0]
     assert later and {r["start"] for r in later} == {KILL}, (recs, out[-3000:])
     assert out.count(f"restored step {KILL} from local memory") == 2, out[-3000:]
-    if recovery == "in-place":  # no survivor to replace a rank from: the agent restarts all
-        assert "inplace_fallback" in out, out[-3000:]
+    if recovery == "in-place":  # both ranks lost: restarted all, or both replaced when the
+        # second death came while the first was being replaced; memory serves either way
+        assert "inplace_fallback" in out or re.search(r"inplace_recovery .*replaced=\{\d+: \d+, \d+: \d+\}", out), out[-3000:]
     assert same(weights(tmp_path / "kill"), reference)
 
 
@@ -115,7 +117,7 @@ def test_make_demos_snapshot_part_passes() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "demo_snapshot.py"), "--steps", "16"],
                        cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "demo passed" in r.stdout and "restored step 6 from local memory" in r.stdout
+    assert "demo passed" in r.stdout and re.search(r"restored step \d+ from local memory", r.stdout), r.stdout[-3000:]
 
 
 def test_the_ddp_recipe_in_the_docs_ends_with_the_fault_free_weights(tmp_path: Path) -> None:

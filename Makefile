@@ -44,9 +44,11 @@ check: install
 	$(VENV)/bin/lint-imports
 
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
+# Two test processes (pytest-xdist), each taking whole files: most tests wait on real processes.
+TEST_WORKERS ?= 2
 test: install debs check
 	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \
-	$(VPY) -m pytest -q tests --basetemp=$$bt; rc=$$?; rm -rf $$bt; exit $$rc
+	$(VPY) -m pytest -q tests --basetemp=$$bt -n $(TEST_WORKERS) --dist loadfile; rc=$$?; rm -rf $$bt; exit $$rc
 
 bench: install
 	$(VPY) -m bench

@@ -28,6 +28,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80", "pytest-timeout>=2.1",
+                 # two test processes: most tests wait on real processes, heartbeats and
+                 # timeouts, so two at once on 2 cores take 9 minutes instead of 15
+                 "pytest-xdist>=3.5",
                  # the checks make test runs: lint, types, and the layer contract (pyproject.toml)
                  "ruff>=0.6", "mypy>=1.10", "import-linter>=2.0"],
         # elastictk-chaos draws chaos-timeline.png with it; without it the picture is skipped

@@ -221,3 +221,30 @@ def test_death_signal_fires_when_the_parent_dies(tmp_path: Path) -> None:
     parent.wait(30)
     parent.stdout.close()
     assert not survivors([child], timeout=15)
+
+
+def test_procfs_finds_every_descendant_and_its_command_line() -> None:
+    """The chaos runner's view of a run's processes: a child and its grandchild, by /proc alone,
+    and nothing once they are gone."""
+    from elastictk.lifetime import procfs
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess, sys; p = subprocess.Popen(['sleep', '30']); "
+                              "print(p.pid, flush=True); sys.stdin.read(); p.kill(); p.wait()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        below = procfs.descendants(os.getpid())
+        assert {child.pid, grandchild} <= below
+        assert procfs.cmdline(grandchild) == "sleep 30"
+        assert procfs.descendants(grandchild) == set()
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while grandchild in procfs.descendants(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {child.pid, grandchild} & procfs.descendants(os.getpid())
+    assert procfs.cmdline(child.pid) is None

@@ -30,6 +30,7 @@ import psutil
 
 from ..faults import FaultPlan
 from ..faults.env import AUTO_OPTIMIZER, worker_env
+from ..lifetime import procfs
 from ..lifetime.reaper import dies_with_caller
 from ..metrics.events import read_events
 
@@ -335,10 +336,7 @@ def _inject_outside(index: int, fault: Any, rec: RunRecord, launcher: int) -> Op
 
 
 def _descendants(pid: int) -> set[int]:
-    try:
-        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
+    return procfs.descendants(pid)
 
 
 def record_leaks(rec: RunRecord, shm_before: set[str], ports_before: dict[str, Optional[int]]) -> None:
@@ -355,12 +353,9 @@ def record_leaks(rec: RunRecord, shm_before: set[str], ports_before: dict[str, O
 def _survivors(pids: set[int]) -> list[str]:
     out = []
     for pid in sorted(pids):
-        try:
-            p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"pid {pid} ({' '.join(p.cmdline())[:80]})")
-        except psutil.NoSuchProcess:
-            pass
+        st = procfs.read_stat(pid)
+        if st is not None and st.state != "Z":
+            out.append(f"pid {pid} ({(procfs.cmdline(pid) or '')[:80]})")
     return out
 
 

@@ -145,6 +145,31 @@ def snapshot() -> dict[int, ProcStat]:
     return out
 
 
+def descendants(root: int) -> set[int]:
+    """Every process below ``root`` now (children, theirs, ...), from one :func:`snapshot`."""
+    children: dict[int, list[int]] = {}
+    for pid, st in snapshot().items():
+        children.setdefault(st.ppid, []).append(pid)
+    out: set[int] = set()
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo.extend(children.get(pid, ()))
+    return out
+
+
+def cmdline(pid: int) -> Optional[str]:
+    """``/proc/<pid>/cmdline`` as one line (arguments joined by spaces), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
 def own_children() -> list[int]:
     """This process's children (every thread's): ``/proc/self/task/*/children`` where the
     kernel has it, else a scan of ``/proc`` for this PID as parent."""

@@ -139,6 +139,8 @@ def test_the_ddp_recipe_in_the_docs_ends_with_the_fault_free_weights(tmp_path: P
         assert proc.returncode == 0, out[-3000:]
         finals.append([x for x in out.splitlines() if x.startswith("weights ")])
         if faults:
-            assert "inplace_recovered" in out and "inplace_fallback" in out, out[-3000:]
+            # step 2: rank 1 replaced; step 4: both lost, replaced together or restarted
+            assert out.count("inplace_recovered") == 2 or (
+                "inplace_recovered" in out and "inplace_fallback" in out), out[-3000:]
             assert out.count("restored step 4 from local memory") == 2, out[-3000:]
     assert len(finals[0]) == 1 and finals[0] == finals[1], finals

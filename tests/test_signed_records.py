@@ -63,7 +63,10 @@ def test_a_forged_failure_note_neither_stops_the_watch_nor_wins(connect_store: C
             h.close()
 
 
-def test_a_forged_failure_does_not_restart_a_finished_job(connect_store: Callable[[], Store]) -> None:
+@pytest.mark.parametrize("mark", [json.dumps({"node_id": "b"}).encode(), b"\x80garbage"])
+def test_a_forged_failure_does_not_restart_a_finished_job(connect_store: Callable[[], Store], mark: bytes) -> None:
+    """The exit barrier reads each member's own sealed ``finished/<node>`` mark: b's mark forged
+    (unsigned, or garbage) does not let a leave before b finishes."""
     hs, rounds = two_nodes(connect_store, "barrier")
     raw = connect_store()
     woken = {n: threading.Event() for n in "ab"}
@@ -72,6 +75,7 @@ def test_a_forged_failure_does_not_restart_a_finished_job(connect_store: Callabl
     try:
         raw.set(f"{rounds['a'].store_prefix}/failed", FORGED_NOTE)
         raw.set(f"{rounds['a'].store_prefix}/all_finished", b"1")  # the old barrier's flag, forged
+        raw.set(f"{rounds['a'].store_prefix}/finished/b", mark)  # b's own mark, forged
         t = threading.Thread(target=lambda: out.update(a=coords["a"].exit_barrier(2, 20, members=["a", "b"])))
         t.start()
         time.sleep(1.0)

@@ -1,14 +1,14 @@
 """The job token: only nodes that know it join, and nothing a stranger writes is believed.
 
-Property tests for the signing itself; then real handlers and coordinators over a real
-TCPStore, with a stranger that writes straight into the store.
+Property tests for the signing itself; then real handlers and coordinators over each real
+store (c10d TCPStore, FileStore, etcd), with a stranger that writes straight into the store.
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import pytest
 from hypothesis import given
@@ -19,9 +19,10 @@ from elastictk.rendezvous import (
 )
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.records import NodeRecord, RoundResult, decode_node, decode_result, slot_key
-from elastictk.store import TCPStore
+from elastictk.store import Store
 from elastictk.agent.coordination import Decision, RoundCoordinator, restart_count
 from elastictk.agent.policy import RestartPolicy
+from tests import test_rendezvous as _rdzv
 from tests.test_rendezvous import fast, infos, join_all
 
 TOKEN = "s3cret-token"
@@ -68,15 +69,8 @@ def test_forged_and_garbled_records_are_rejected_naming_the_key() -> None:
     assert decode_node("rdzv/job/r/3/slot/1", ok, good) == NodeRecord("n", {"a": 1})
 
 
-@pytest.fixture
-def server() -> Iterator[TCPStore]:
-    s = TCPStore.serve(timeout=20)
-    yield s
-    s.close()
-
-
-def connect(server: TCPStore) -> TCPStore:
-    return TCPStore.connect(f"127.0.0.1:{server.port}", timeout=20)
+connect_store = _rdzv.connect  # fixtures: one store of each backend (tcp, file, etcd)
+server = _rdzv.server
 
 
 @pytest.mark.parametrize("theirs,mine,why", [
@@ -84,10 +78,10 @@ def connect(server: TCPStore) -> TCPStore:
     (TOKEN, None, "requires a token"),
     (None, TOKEN, "without a token"),
 ])
-def test_a_node_that_does_not_know_the_token_is_refused(server: TCPStore, theirs: str | None,
+def test_a_node_that_does_not_know_the_token_is_refused(connect_store: Callable[[], Store], theirs: str | None,
                                                          mine: str | None, why: str) -> None:
-    members = [RendezvousHandler(connect(server), fast("tok", 2, 3, token=theirs), node_id=n) for n in "ab"]
-    stranger = RendezvousHandler(connect(server), fast("tok", 2, 3, token=mine), node_id="stranger")
+    members = [RendezvousHandler(connect_store(), fast("tok", 2, 3, token=theirs), node_id=n) for n in "ab"]
+    stranger = RendezvousHandler(connect_store(), fast("tok", 2, 3, token=mine), node_id="stranger")
     try:
         first = infos(join_all(members))
         watch = MembershipWatch(members[0], first["a"])
@@ -96,16 +90,16 @@ def test_a_node_that_does_not_know_the_token_is_refused(server: TCPStore, theirs
         assert "refused" in str(e.value) and "rdzv/tok/auth" in str(e.value) and "\n" not in str(e.value)
         assert not watch.wait(1.0), "the refused node changed nothing: no new round"
         watch.stop()
-        assert connect(server).try_get("rdzv/tok/r/2/arrivals") is None
+        assert connect_store().try_get("rdzv/tok/r/2/arrivals") is None
     finally:
         for h in [*members, stranger]:
             h.close()
 
 
-def test_a_forged_join_neither_wakes_the_job_nor_gets_a_rank(server: TCPStore) -> None:
+def test_a_forged_join_neither_wakes_the_job_nor_gets_a_rank(connect_store: Callable[[], Store]) -> None:
     cfg = fast("forge", 2, 3, token=TOKEN, last_call=0.3)
-    a, b, c = (RendezvousHandler(connect(server), cfg, node_id=n) for n in "abc")
-    raw = connect(server)
+    a, b, c = (RendezvousHandler(connect_store(), cfg, node_id=n) for n in "abc")
+    raw = connect_store()
     try:
         first = infos(join_all([a, b]))
         watch = MembershipWatch(a, first["a"])
@@ -131,10 +125,10 @@ def test_a_forged_join_neither_wakes_the_job_nor_gets_a_rank(server: TCPStore) -
         raw.close()
 
 
-def test_strangers_cannot_spend_the_budget_or_fake_a_failure(server: TCPStore) -> None:
+def test_strangers_cannot_spend_the_budget_or_fake_a_failure(connect_store: Callable[[], Store]) -> None:
     cfg = fast("budget", 1, 1, token=TOKEN)
-    h = RendezvousHandler(connect(server), cfg, node_id="a")
-    raw = connect(server)
+    h = RendezvousHandler(connect_store(), cfg, node_id="a")
+    raw = connect_store()
     try:
         info = h.next_round()
         coord = RoundCoordinator(h.store, info.store, "a", on_failure=lambda: None,
@@ -162,10 +156,10 @@ def test_strangers_cannot_spend_the_budget_or_fake_a_failure(server: TCPStore) -
         raw.close()
 
 
-def test_a_forged_leave_mark_is_not_believed_a_signed_one_is(server: TCPStore) -> None:
+def test_a_forged_leave_mark_is_not_believed_a_signed_one_is(connect_store: Callable[[], Store]) -> None:
     cfg = fast("leave", 2, 2, token=TOKEN)
-    a, b = (RendezvousHandler(connect(server), cfg, node_id=n) for n in "ab")
-    raw = connect(server)
+    a, b = (RendezvousHandler(connect_store(), cfg, node_id=n) for n in "ab")
+    raw = connect_store()
     try:
         infos(join_all([a, b]))
         raw.set("rdzv/leave/hb/b", b"-1")  # a stranger marks b as gone

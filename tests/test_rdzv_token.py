@@ -139,6 +139,7 @@ def test_strangers_cannot_spend_the_budget_or_fake_a_failure(connect_store: Call
         raw.delete(f"{info.store_prefix}/failed")
         decision = coord.decide(RestartPolicy(max_restarts=3), "boom")
         assert decision == Decision("restart", 1, "boom") and restart_count(h.store, h.signer, h.prefix) == 1
+        older = raw.try_get("rdzv/budget/policy")  # sealed by the job itself, count 1: kept for a replay
         # Resetting the budget by hand (an unsigned policy state) is not believed: the node
         # goes on from the newest state it has seen, and the next charge is the second.
         state = json.loads(raw.try_get("rdzv/budget/policy") or b"{}")
@@ -150,6 +151,13 @@ def test_strangers_cannot_spend_the_budget_or_fake_a_failure(connect_store: Call
         assert coord.await_decision(1.0) is None, "a forged decision is never read"
         raw.delete(f"{info.store_prefix}/decider")
         assert coord.decide(RestartPolicy(max_restarts=3), "again") == Decision("restart", 2, "again")
+        # Writing back the job's own older sealed state (count 1) gives no restart back either.
+        assert older is not None
+        raw.set("rdzv/budget/policy", older)
+        assert coord.budget.restart_count() == 2, "an older sealed budget is a replay: not read"
+        raw.delete(f"{info.store_prefix}/decider")
+        raw.delete(f"{info.store_prefix}/decision")
+        assert coord.decide(RestartPolicy(max_restarts=3), "third") == Decision("restart", 3, "third")
         coord.stop(wait=True)
     finally:
         h.close()

@@ -1,4 +1,5 @@
-"""SIGTERM to elastictk-run while it starts many workers is acted on within about a second: the
+"""SIGTERM to elastictk-run while it starts many workers is acted on at once (5 s allowed for a
+loaded machine, against the minutes the remaining starts and the join timeout would take): the
 rest are not started, those started are stopped, and the agent exits 128+15."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 200  # starting them all takes many seconds here; the test waits for the first few
 
 
-def test_sigterm_while_the_group_starts_stops_it_within_a_second(tmp_path: Path) -> None:
+def test_sigterm_while_the_group_starts_stops_it_at_once(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
     marks = tmp_path / "started"
     marks.mkdir()
@@ -56,8 +57,8 @@ def test_sigterm_while_the_group_starts_stops_it_within_a_second(tmp_path: Path)
 
 
 def test_sigterm_while_waiting_for_other_nodes_ends_the_agent_at_once(tmp_path: Path) -> None:
-    """A node waiting for peers that never come (--nnodes 2, one agent) acts on SIGTERM within
-    about a second, not after the join timeout."""
+    """A node waiting for peers that never come (--nnodes 2, one agent) acts on SIGTERM at once,
+    not after the join timeout."""
     from elastictk.store import free_port
 
     script = tmp_path / "w.py"

@@ -18,6 +18,22 @@ from types import ModuleType
 from typing import Any, Callable, ContextManager, Optional
 
 
+def now_or_on_import(name: str, ready: str, then: Callable[[ModuleType], None],
+                     lock: ContextManager[Any], pending: Optional["OnImport"]) -> Optional["OnImport"]:
+    """Run ``then(module)`` now if ``name`` is loaded (it has attribute ``ready``), else make
+    sure an :class:`OnImport` runs it once it loads. The caller holds ``lock`` and keeps the
+    returned hook (its ``pending``, or a new one; None once applied) to :meth:`OnImport.cancel`
+    it; ``then`` should forget the hook when it runs."""
+    module = sys.modules.get(name)
+    if module is not None and hasattr(module, ready):
+        then(module)
+        return None
+    if pending is None:
+        pending = OnImport(name, then, lock)
+        sys.meta_path.insert(0, pending)
+    return pending
+
+
 class OnImport(importlib.abc.MetaPathFinder):
     """Finds ``name`` with the other finders and runs ``then(module)`` once it has loaded."""
 
@@ -25,6 +41,11 @@ class OnImport(importlib.abc.MetaPathFinder):
                  lock: ContextManager[Any]) -> None:
         self.name, self.then, self.lock = name, then, lock
         self._busy = threading.local()
+
+    def cancel(self) -> None:
+        """Leave the meta path without running ``then`` (a no-op once it ran)."""
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != self.name or getattr(self._busy, "on", False):

@@ -26,7 +26,6 @@ subprocess workers from the ``sitecustomize.py`` ``env.worker_env`` writes), and
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -38,7 +37,7 @@ from . import inworker
 from .collective import ensure_wrapped
 from .env import AUTO_OPTIMIZER, ENV_AUTO, ENV_PLAN
 from .plan import FaultPlan
-from .._onimport import OnImport
+from .._onimport import OnImport, now_or_on_import
 
 OPTIM = "torch.optim.optimizer"
 
@@ -83,12 +82,8 @@ def install_optimizer(plan: FaultPlan | str | os.PathLike[str] | None = None, *,
     armed = _arm(plan, rank, node, attempt)
     with _lock:
         _counting_optimizer, _optimizer_steps = True, 0
-        module = sys.modules.get(OPTIM)
-        if module is not None and hasattr(module, "register_optimizer_step_post_hook"):
-            _register(module)
-        elif _optim_hook is None:
-            _optim_hook = OnImport(OPTIM, _registered_on_import, _lock)
-            sys.meta_path.insert(0, _optim_hook)
+        _optim_hook = now_or_on_import(OPTIM, "register_optimizer_step_post_hook", _registered_on_import,
+                                       _lock, _optim_hook)
     return bool(armed)
 
 
@@ -163,8 +158,7 @@ def stop_counting() -> None:
             _handle.remove()
             _handle = None
         if _optim_hook is not None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(_optim_hook)
+            _optim_hook.cancel()
             _optim_hook = None
 
 

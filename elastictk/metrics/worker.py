@@ -55,7 +55,7 @@ import weakref
 from types import ModuleType, TracebackType
 from typing import Any, Mapping, Optional
 
-from .._onimport import OnImport
+from .._onimport import OnImport, now_or_on_import
 from .layout import (
     BLOCKED_SECONDS, BUCKET0, BUSY_SECONDS, BUSY_STEPS, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH,
     H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
@@ -323,12 +323,7 @@ def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
 
         attach_from_env()
     with _lock:
-        module = sys.modules.get(OPTIM)
-        if module is not None and hasattr(module, "register_optimizer_step_post_hook"):
-            _register(module)
-        elif _pending is None:
-            _pending = OnImport(OPTIM, _register, _lock)
-            sys.meta_path.insert(0, _pending)
+        _pending = now_or_on_import(OPTIM, "register_optimizer_step_post_hook", _register, _lock, _pending)
     if env.get(ENV_COLLECTIVES) == "1":
         time_collectives()
     return True
@@ -345,18 +340,8 @@ def time_collectives() -> None:
     (now, or the moment ``distributed_c10d`` finishes loading; torch is never imported here)."""
     global _c10d_pending, _ddp_pending
     with _lock:
-        module = sys.modules.get(C10D)
-        if module is not None and hasattr(module, "all_reduce"):
-            _wrap_c10d(module)
-        elif _c10d_pending is None:
-            _c10d_pending = OnImport(C10D, _wrap_c10d, _lock)
-            sys.meta_path.insert(0, _c10d_pending)
-        ddp = sys.modules.get(DDP)
-        if ddp is not None and hasattr(ddp, "DistributedDataParallel"):
-            _wrap_ddp(ddp)
-        elif _ddp_pending is None:
-            _ddp_pending = OnImport(DDP, _wrap_ddp, _lock)
-            sys.meta_path.insert(0, _ddp_pending)
+        _c10d_pending = now_or_on_import(C10D, "all_reduce", _wrap_c10d, _lock, _c10d_pending)
+        _ddp_pending = now_or_on_import(DDP, "DistributedDataParallel", _wrap_ddp, _lock, _ddp_pending)
 
 
 def blocked_seconds() -> float:
@@ -435,8 +420,7 @@ def untime_collectives() -> None:
         _wrapped.clear()
         for pending in (_c10d_pending, _ddp_pending):
             if pending is not None:
-                with contextlib.suppress(ValueError):
-                    sys.meta_path.remove(pending)
+                pending.cancel()
         _c10d_pending = _ddp_pending = None
 
 
@@ -447,8 +431,7 @@ def deactivate() -> None:
         if _handle is not None:
             _handle.remove()
         if _pending is not None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(_pending)
+            _pending.cancel()
         _handle = _pending = _owner = None
 
 

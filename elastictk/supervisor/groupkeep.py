@@ -25,9 +25,9 @@ import sys
 import threading
 import weakref
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
-from .._onimport import OnImport
+from .._onimport import OnImport, now_or_on_import
 
 C10D = "torch.distributed.distributed_c10d"
 DDP = "torch.nn.parallel.distributed"
@@ -36,22 +36,17 @@ _MARK = "__elastictk_keeps_groups__"
 _lock = threading.Lock()
 _models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every DDP model built in this process
 _kept: list[tuple[Any, list[weakref.ref[Any]]]] = []  # (group, the DDP models that used it)
-_pending: list[OnImport] = []
+_c10d_pending: Optional[OnImport] = None
+_ddp_pending: Optional[OnImport] = None
 
 
 def install() -> None:
     """Wrap ``DistributedDataParallel.__init__`` and ``init/destroy_process_group`` now, or each
     once its module loads (torch is never imported here)."""
+    global _c10d_pending, _ddp_pending
     with _lock:
-        for name, ready, wrap in ((C10D, "destroy_process_group", _wrap_c10d),
-                                  (DDP, "DistributedDataParallel", _wrap_ddp)):
-            module = sys.modules.get(name)
-            if module is not None and hasattr(module, ready):
-                wrap(module)
-            elif not any(h.name == name for h in _pending):
-                hook = OnImport(name, wrap, _lock)
-                _pending.append(hook)
-                sys.meta_path.insert(0, hook)
+        _c10d_pending = now_or_on_import(C10D, "destroy_process_group", _wrap_c10d, _lock, _c10d_pending)
+        _ddp_pending = now_or_on_import(DDP, "DistributedDataParallel", _wrap_ddp, _lock, _ddp_pending)
 
 
 def kept() -> int:
@@ -69,7 +64,8 @@ def _users(pg: Any) -> list[weakref.ref[Any]]:
 
 
 def _wrap_ddp(ddp: ModuleType) -> None:
-    _pending[:] = [h for h in _pending if h.name != DDP]
+    global _ddp_pending
+    _ddp_pending = None
     cls: Any = getattr(ddp, "DistributedDataParallel", None)
     if cls is None or getattr(cls.__init__, _MARK, False):
         return
@@ -90,7 +86,8 @@ def _namespaces(c10d: ModuleType) -> list[ModuleType]:
 
 
 def _wrap_c10d(c10d: ModuleType) -> None:
-    _pending[:] = [h for h in _pending if h.name != C10D]
+    global _c10d_pending
+    _c10d_pending = None
     destroy: Any = getattr(c10d, "destroy_process_group", None)
     init: Any = getattr(c10d, "init_process_group", None)
     if destroy is None or getattr(destroy, _MARK, False):

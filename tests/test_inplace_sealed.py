@@ -25,7 +25,7 @@ from elastictk.agent.inplace import InPlaceRound
 from elastictk.agent.inplace_host import Setup, inplace_key
 from elastictk.agent.policy import RestartPolicy
 from elastictk.inplace.protocol import (
-    ENV_KEY, Generation, Sealer, error_key, gen_key, ready_key, ready_value, round_prefix,
+    ENV_KEY, GEN_COUNTER, Generation, Sealer, error_key, gen_key, ready_key, ready_value, round_prefix,
 )
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.sealed import Records, derive_key
@@ -221,6 +221,34 @@ def test_without_a_token_the_agent_acts_on_a_forged_error(tmp_path: Path) -> Non
         server.set(f"{PREFIX}/{error_key(0)}", forged_error())
         assert saw_error(rnd, 5)
         assert not rnd.poll() and rnd.deadline is not None
+
+
+@pytest.mark.parametrize("counter", [b"not a number", b"7"])
+def test_a_strangers_generation_counter_moves_no_agent_and_stops_no_watch(tmp_path: Path, counter: bytes) -> None:
+    """The counter cannot be sealed: garbage in it (which makes torch's store drop a client that
+    adds to it) leaves the watch running, and a bump without a sealed generation record is not
+    followed; a sealed error afterwards still wakes the agent."""
+    with agent_round(tmp_path, token=True) as (rnd, server, events):
+        server.set(f"{PREFIX}/{GEN_COUNTER}", counter)
+        server.set(f"{PREFIX}/{gen_key(7)}", Generation(7, 2, finished=True).to_json())  # forged
+        time.sleep(1.0)  # the watch looks every 0.1 s
+        assert rnd.gen == 0 and rnd.pending is None and rnd.deadline is None
+        assert rnd._watcher.is_alive(), "the in-place watch is still running"
+        sealer = Sealer(rnd.env("n0", 0)[ENV_KEY], PREFIX)
+        server.set(f"{PREFIX}/{error_key(0)}", sealer.seal(error_key(0), forged_error()))
+        assert saw_error(rnd, 5), "a sealed error still wakes the agent"
+        assert not events
+
+
+def test_without_a_token_a_bumped_counter_with_a_record_is_followed(tmp_path: Path) -> None:
+    """The failing side: without a token, a generation record is believed as written."""
+    with agent_round(tmp_path, token=False) as (rnd, server, _events):
+        server.set(f"{PREFIX}/{GEN_COUNTER}", b"7")
+        server.set(f"{PREFIX}/{gen_key(7)}", Generation(7, 2).to_json())
+        deadline = time.monotonic() + 5
+        while rnd.gen != 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rnd.gen == 7 and rnd.pending == 7
 
 
 # -- end to end ------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from ..inplace.protocol import (
 )
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
+from ..rendezvous.sealed import parse_counter
 from ..metrics.kinds import Emit, EventKind
 from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
 from ..supervisor.env import NodeRanks
@@ -59,6 +60,9 @@ from .outcome import DecisionAction
 from .policy import RestartPolicy
 
 log = logging.getLogger("elastictk.agent")
+# How far past its own generation the watch follows the counter at once: each recovery adds
+# one, so more than a handful between two looks of the watch is not a real job.
+MAX_GEN_STEP = 64
 
 DEFAULT_REFORM_TIMEOUT = 30.0
 
@@ -165,12 +169,11 @@ class InPlaceRound:
         ready; store waits (0.1 s at a time, to re-arm), so it reacts as the key appears.
         It also follows generations another node's agent published (multi-node jobs)."""
         store = self._conn.clone()
-        counter = f"{self.prefix}/{GEN_COUNTER}"
         seen_error = -1
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    latest = store.add(counter, 0)
+                    latest = self._published(store)
                     if latest > self.gen:  # another agent replaced one of its workers
                         self.gen = self.pending = latest
                         self._pending_kind = EventKind.INPLACE_RECOVERED
@@ -197,10 +200,28 @@ class InPlaceRound:
                 else:
                     self._ready.set()
                 self.group.wake()
-        except StoreError:
-            return  # the store is gone with its host; membership and heartbeats report that
+        except StoreError as e:
+            # The store is gone with its host; membership and heartbeats report that.
+            log.info("in-place watch ended: %s", e)
+        except Exception as e:  # noqa: BLE001 - never silently: the agent treats it as an error
+            log.warning("in-place watch stopped by %r; taken as an error of generation %d", e, self.gen)
+            self._errors.set()
+            self.group.wake()
         finally:
             store.close()
+
+    def _published(self, store: Store) -> int:
+        """The newest generation another agent has published, else ours. The counter is read,
+        not added to (torch's store drops a client whose ``add`` meets a value that is not a
+        number), clamped, and believed only with its generation record there: sealed, when
+        the job has a token, so a stranger bumping the counter moves nobody."""
+        latest = parse_counter(store.try_get(f"{self.prefix}/{GEN_COUNTER}"), self.gen + MAX_GEN_STEP)
+        if latest <= self.gen:
+            return self.gen
+        raw = store.try_get(f"{self.prefix}/{gen_key(latest)}")
+        if raw is None or (self.sealer.enabled and self.sealer.open(gen_key(latest), raw) is None):
+            return self.gen
+        return latest
 
     def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:

@@ -19,13 +19,16 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elastictk.agent.coordination import Budget
 from elastictk.agent.inplace import InPlaceRound
 from elastictk.agent.inplace_host import Setup, inplace_key
 from elastictk.agent.policy import RestartPolicy
 from elastictk.inplace.protocol import (
-    ENV_KEY, GEN_COUNTER, Generation, Sealer, error_key, gen_key, ready_key, ready_value, round_prefix,
+    ENV_KEY, GEN_COUNTER, MAX_GEN_STEP, Generation, Sealer, error_key, gen_key, read_counter, ready_key,
+    ready_value, round_prefix,
 )
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.sealed import Records, derive_key
@@ -221,6 +224,21 @@ def test_without_a_token_the_agent_acts_on_a_forged_error(tmp_path: Path) -> Non
         server.set(f"{PREFIX}/{error_key(0)}", forged_error())
         assert saw_error(rnd, 5)
         assert not rnd.poll() and rnd.deadline is not None
+
+
+@given(st.one_of(st.none(), st.binary(max_size=12), st.integers(-10**12, 10**12).map(lambda v: str(v).encode())),
+       st.integers(0, 10**6))
+def test_the_counter_is_read_within_known_and_a_bounded_step(raw: Optional[bytes], known: int) -> None:
+    got = read_counter(raw, known)
+    assert known <= got <= known + MAX_GEN_STEP
+    try:
+        value = int(raw.decode("ascii").strip()) if raw is not None else None
+    except (UnicodeDecodeError, ValueError):
+        value = None
+    if value is not None and known <= value <= known + MAX_GEN_STEP:
+        assert got == value, "an honest counter is read as it is"
+    if value is None:
+        assert got == known, "absent or garbage: nothing past what the reader knows"
 
 
 @pytest.mark.parametrize("counter", [b"not a number", b"7"])

@@ -44,11 +44,10 @@ from typing import Optional
 
 from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, Sealer, error_key,
-    gen_key, ready_key, ready_time,
+    gen_key, read_counter, ready_key, ready_time,
 )
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
-from ..rendezvous.sealed import parse_counter
 from ..metrics.kinds import Emit, EventKind
 from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
 from ..supervisor.env import NodeRanks
@@ -60,9 +59,6 @@ from .outcome import DecisionAction
 from .policy import RestartPolicy
 
 log = logging.getLogger("elastictk.agent")
-# How far past its own generation the watch follows the counter at once: each recovery adds
-# one, so more than a handful between two looks of the watch is not a real job.
-MAX_GEN_STEP = 64
 
 DEFAULT_REFORM_TIMEOUT = 30.0
 
@@ -211,11 +207,10 @@ class InPlaceRound:
             store.close()
 
     def _published(self, store: Store) -> int:
-        """The newest generation another agent has published, else ours. The counter is read,
-        not added to (torch's store drops a client whose ``add`` meets a value that is not a
-        number), clamped, and believed only with its generation record there: sealed, when
-        the job has a token, so a stranger bumping the counter moves nobody."""
-        latest = parse_counter(store.try_get(f"{self.prefix}/{GEN_COUNTER}"), self.gen + MAX_GEN_STEP)
+        """The newest generation another agent has published, else ours: the counter
+        (:func:`read_counter`) is believed only with its generation record there, sealed when
+        the job has a token, so a stranger bumping it moves nobody."""
+        latest = read_counter(store.try_get(f"{self.prefix}/{GEN_COUNTER}"), self.gen)
         if latest <= self.gen:
             return self.gen
         raw = store.try_get(f"{self.prefix}/{gen_key(latest)}")

@@ -41,6 +41,23 @@ ENV_KEY = "ELASTICTK_INPLACE_KEY"  # token jobs: the run's in-place key (derived
 SCHEMA = "elastictk.inplace-generation/1"
 
 GEN_COUNTER = "gen"
+#: how far past the generation a reader knows it follows the counter at once: each recovery
+#: adds one, so more than a handful between two looks is not a real job
+MAX_GEN_STEP = 64
+
+
+def read_counter(raw: Optional[bytes], known: int) -> int:
+    """The generation counter's bytes (None: absent) as a generation, clamped to
+    ``known..known + MAX_GEN_STEP``: anyone can write a counter (it cannot be sealed), so a
+    reader follows it only to a generation whose record it then finds. Not a number: ``known``.
+    Read, never added to: torch's store drops a client whose ``add`` meets garbage."""
+    if raw is None:
+        return known
+    try:
+        value = int(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return known
+    return max(known, min(value, known + MAX_GEN_STEP))
 
 
 def gen_key(g: int) -> str:

@@ -17,7 +17,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from tests.helpers.netns import Host, Hosts, etcd_members, leftover_namespaces, netns_works
+from tests.helpers.netns import Host, Hosts, etcd_members, kill_tree, leftover_namespaces, netns_works
 from tests.test_multinode import CONF, ROOT, Job, by_world
 
 PORT = 29400
@@ -39,6 +39,13 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
 
 class HostJob(Job):
     """A :class:`Job` whose agents run on test hosts instead of loopback."""
+
+    def close(self) -> None:
+        # ``ip netns exec`` forks: the agent is its child, so the tree goes, leaves first
+        # (only processes this job started, by PID), and no pipe is left open by an orphan.
+        for p in self.agents:
+            kill_tree(p)
+        super().close()
 
     def __init__(self, tmp: Path, hosts: Hosts, endpoint: str, backend: str = "c10d",
                  nnodes: str = "2:3", conf: str = CONF) -> None:
@@ -163,7 +170,11 @@ def test_host_whose_clock_is_30s_off_joins_and_is_not_declared_dead(tmp_path: Pa
         skewed = dict(os.environ, LD_PRELOAD=FAKETIME, FAKETIME="+30s", FAKETIME_DONT_FAKE_MONOTONIC="1",
                       AGENT_WALL_FILE=str(wall_file))
         before = time.time()
-        c = job.agent_on(hosts[2], "--sleep", "300", "--until", "stop", env=skewed, wrapper=SKEWED_AGENT)
+        # Workers fork from the preload server (started without the preload), not from the
+        # agent: a fork of a multi-threaded process with libfaketime loaded can deadlock in the
+        # child on a lock libfaketime's clock calls hold (seen: the agent stuck in Popen).
+        c = job.agent_on(hosts[2], "--sleep", "300", "--until", "stop", env=skewed, wrapper=SKEWED_AGENT,
+                         extra=("--start-method", "preload"))
         preloaded.append(c.pid)
         job.wait_for(lambda s: len(by_world(s, 6)) == 6)
         assert float(wall_file.read_text()) - before > 25, "host 2's agent really lives 30 s ahead"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import time
@@ -98,8 +99,7 @@ class Host:
 
     def kill_all(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
+            kill_tree(p)
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -107,6 +107,20 @@ class Host:
 
     def __repr__(self) -> str:
         return f"Host({self.ns}, {self.addr})"
+
+
+def kill_tree(p: "subprocess.Popen[str]") -> None:
+    """SIGKILL what ``p`` (an ``ip netns exec``, which forks) started, then ``p`` itself: its
+    descendants by PID, from /proc, read before anything dies so none is reparented first."""
+    from elastictk.lifetime import procfs
+
+    if p.poll() is not None:
+        return
+    for pid in sorted(procfs.descendants(p.pid), reverse=True) + [p.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Hosts:

@@ -18,19 +18,30 @@ SESSION_PIDS: set[int] = set()
 
 def pytest_configure(config: pytest.Config) -> None:
     """A private base temp dir per run: pytest runs that share /tmp/pytest-of-<user> delete
-    each other's numbered dirs, so two runs on one machine would break each other's tests."""
+    each other's numbered dirs, so two runs on one machine would break each other's tests.
+
+    And a private ``TMPDIR`` for everything the tests start (set once, by the process that
+    starts the others: pytest-xdist's workers inherit it): an ``elastictk-run`` without
+    ``--log-dir`` makes its log directory there, as torchrun makes ``/tmp/torchelastic_*``,
+    and it goes with the run instead of piling up in /tmp (hundreds per run)."""
     if config.option.basetemp is None:
         config.option.basetemp = tempfile.mkdtemp(prefix="elastictk-tests-")
         config.stash[_OWN_BASETEMP] = config.option.basetemp
+    if not hasattr(config, "workerinput"):
+        tmp = tempfile.mkdtemp(prefix="elastictk-tmp-")
+        config.stash[_OWN_TMPDIR] = tmp
+        os.environ["TMPDIR"] = tmp
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    own = config.stash.get(_OWN_BASETEMP, None)
-    if own is not None:
-        shutil.rmtree(own, ignore_errors=True)
+    for key in (_OWN_BASETEMP, _OWN_TMPDIR):
+        own = config.stash.get(key, None)
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 _OWN_BASETEMP = pytest.StashKey[str]()
+_OWN_TMPDIR = pytest.StashKey[str]()
 
 
 def _children() -> dict[int, str]:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Optional
 
+from .._onimport import OnImport, now_or_on_import
 from .env import hang_limit
 
 C10D = "torch.distributed.distributed_c10d"
@@ -31,7 +30,7 @@ _INNER = "__elastictk_fault_inner__"
 Hook = Callable[[], None]
 
 _lock = threading.Lock()
-_hook: Optional["_PatchOnImport"] = None
+_hook: Optional[OnImport] = None
 # What the wrapper runs before the real all_reduce, in this order: the step count (auto mode,
 # which may fire this step's faults and so arm a hang), then the hang check.
 _on_step: Optional[Hook] = None
@@ -47,12 +46,7 @@ def ensure_wrapped(*, on_step: Optional[Hook] = None, on_hang: Optional[Hook] = 
             _on_step = on_step
         if on_hang is not None:
             _on_hang = on_hang
-        module = sys.modules.get(C10D)
-        if module is not None and hasattr(module, OP):
-            _patch(module)
-        elif _hook is None:
-            _hook = _PatchOnImport()
-            sys.meta_path.insert(0, _hook)
+        _hook = now_or_on_import(C10D, OP, _on_import, _lock, _hook)
 
 
 def uninstall() -> None:
@@ -61,8 +55,7 @@ def uninstall() -> None:
     with _lock:
         _on_step = _on_hang = None
         if _hook is not None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(_hook)
+            _hook.cancel()
             _hook = None
         module = sys.modules.get(C10D)
         if module is None:
@@ -124,50 +117,10 @@ def block_in_collective(op: str) -> None:
     os._exit(HANG_UNCAUGHT_EXIT)
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``distributed_c10d`` with the other finders, then wraps all_reduce right after the
-    module runs (before ``torch.distributed`` re-exports it). Re-entry is refused, so another
-    finder that consults the whole meta path (elastictk's collective timer does) cannot loop."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != C10D or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            for finder in list(sys.meta_path):
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None and spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, self)
-                    return spec
-            return None
-        finally:
-            self._busy.on = False
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, hook: _PatchOnImport) -> None:
-        self._inner, self._hook = inner, hook
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        global _hook
-        self._inner.exec_module(module)
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        with _lock:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self._hook)
-            if _hook is self._hook:
-                _hook = None
-                _patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code ... for inspect/linecache
-        return getattr(self._inner, name)
+def _on_import(module: ModuleType) -> None:
+    """Wrap all_reduce: now, or the moment ``distributed_c10d`` has run (before
+    ``torch.distributed`` re-exports its names). After :func:`uninstall` the wrapper calls no
+    hook: it just passes the call on."""
+    global _hook
+    _hook = None
+    _patch(module)

@@ -16,13 +16,12 @@ and process-group methods called directly; wrap those regions with ``expires``.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
+from .._onimport import OnImport, now_or_on_import
 from . import client
 
 C10D = "torch.distributed.distributed_c10d"
@@ -39,7 +38,8 @@ _ORIGINAL = "__elastictk_untimed__"
 
 _lock = threading.Lock()
 _timeout: Optional[float] = None
-_hook: Optional["_PatchOnImport"] = None
+_hook: Optional[OnImport] = None
+_ops: tuple[str, ...] = OPS  # what a patch made on import covers
 _patched: dict[str, Callable[..., Any]] = {}
 _work_wait: Optional[Callable[..., Any]] = None
 
@@ -47,17 +47,13 @@ _work_wait: Optional[Callable[..., Any]] = None
 def watch_collectives(timeout: float, ops: Sequence[str] = OPS) -> None:
     """Run every collective/p2p call (and ``Work.wait``) of this process under a ``timeout``
     second timer. Calling it again changes the timeout; :func:`unwatch_collectives` undoes it."""
-    global _timeout, _hook
+    global _timeout, _hook, _ops
     if not 0 < timeout <= client.MAX_AFTER:
         raise client.TimerError(f"collective timeout {timeout!r} must be > 0 seconds")
     with _lock:
         _timeout = float(timeout)
-        module = sys.modules.get(C10D)
-        if module is not None and hasattr(module, "all_reduce"):
-            _patch(module, _timeout, ops)
-        elif _hook is None:
-            _hook = _PatchOnImport(ops)
-            sys.meta_path.insert(0, _hook)
+        _ops = tuple(ops)
+        _hook = now_or_on_import(C10D, "all_reduce", _on_import, _lock, _hook)
 
 
 def unwatch_collectives() -> None:
@@ -66,10 +62,7 @@ def unwatch_collectives() -> None:
     with _lock:
         _timeout = None
         if _hook is not None:
-            try:
-                sys.meta_path.remove(_hook)
-            except ValueError:
-                pass
+            _hook.cancel()
             _hook = None
         module = sys.modules.get(C10D)
         if module is not None:
@@ -207,44 +200,10 @@ def _op_type_enum(c10d: ModuleType) -> Any:
     return enum
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``distributed_c10d`` with the other finders, then patches it right after it runs."""
-
-    def __init__(self, ops: Sequence[str]) -> None:
-        self.ops = tuple(ops)
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != C10D:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, self)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, hook: _PatchOnImport) -> None:
-        self._inner, self._hook = inner, hook
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        global _hook
-        self._inner.exec_module(module)
-        module.__loader__ = self._inner  # the module looks as if imported without us
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        with _lock:
-            if _hook is self._hook:
-                sys.meta_path[:] = [f for f in sys.meta_path if f is not self._hook]
-                _hook = None
-                if _timeout is not None:
-                    _patch(module, _timeout, self._hook.ops)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code ... for inspect/linecache
-        return getattr(self._inner, name)
+def _on_import(module: ModuleType) -> None:
+    """Patch ``distributed_c10d``, now or the moment it has run, unless
+    :func:`unwatch_collectives` came first."""
+    global _hook
+    _hook = None
+    if _timeout is not None:
+        _patch(module, _timeout, _ops)

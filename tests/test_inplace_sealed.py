@@ -27,8 +27,7 @@ from elastictk.agent.inplace import InPlaceRound
 from elastictk.agent.inplace_host import Setup, inplace_key
 from elastictk.agent.policy import RestartPolicy
 from elastictk.inplace.protocol import (
-    ENV_KEY, GEN_COUNTER, MAX_GEN_STEP, Generation, Sealer, error_key, gen_key, read_counter, ready_key,
-    ready_value, round_prefix,
+    ENV_KEY, Generation, Sealer, error_key, gen_key, newest, publish, ready_key, ready_value, round_prefix,
 )
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.sealed import Records, derive_key
@@ -226,47 +225,79 @@ def test_without_a_token_the_agent_acts_on_a_forged_error(tmp_path: Path) -> Non
         assert not rnd.poll() and rnd.deadline is not None
 
 
-@given(st.one_of(st.none(), st.binary(max_size=12), st.integers(-10**12, 10**12).map(lambda v: str(v).encode())),
-       st.integers(0, 10**6))
-def test_the_counter_is_read_within_known_and_a_bounded_step(raw: Optional[bytes], known: int) -> None:
-    got = read_counter(raw, known)
-    assert known <= got <= known + MAX_GEN_STEP
-    try:
-        value = int(raw.decode("ascii").strip()) if raw is not None else None
-    except (UnicodeDecodeError, ValueError):
-        value = None
-    if value is not None and known <= value <= known + MAX_GEN_STEP:
-        assert got == value, "an honest counter is read as it is"
-    if value is None:
-        assert got == known, "absent or garbage: nothing past what the reader knows"
+@given(st.integers(0, 3000), st.integers(0, 3000), st.sets(st.integers(0, 6000), max_size=20))
+def test_the_newest_record_is_found_by_reading_records(end: int, known: int, beyond: set[int]) -> None:
+    """Records 0..end are there (published without gaps); ``beyond`` are numbers past a gap a
+    stranger filled: the search from any known record stops at ``end``, in O(log n) reads."""
+    known = min(known, end)
+    reads = []
+
+    def present(g: int) -> bool:
+        reads.append(g)
+        return g <= end or (g > end + 1 and g in beyond)
+
+    assert newest(present, known) == end
+    assert len(reads) <= 2 * (end - known + 1).bit_length() + 1
 
 
-@pytest.mark.parametrize("counter", [b"not a number", b"7"])
-def test_a_strangers_generation_counter_moves_no_agent_and_stops_no_watch(tmp_path: Path, counter: bytes) -> None:
-    """The counter cannot be sealed: garbage in it (which makes torch's store drop a client that
-    adds to it) leaves the watch running, and a bump without a sealed generation record is not
-    followed; a sealed error afterwards still wakes the agent."""
+@given(st.lists(st.sampled_from(["agent", "finished", "forged", "garbage"]), max_size=6))
+def test_publish_takes_the_first_number_free_of_a_sealed_record(before: list[str]) -> None:
+    """Whatever is there after generation 0: other agents' records are skipped, forged or
+    garbage bytes are replaced (never believed), and the workers' ``finished`` record ends the
+    search (that number is returned, the job ended)."""
+    sealer = Sealer(inplace_key(signer()), PREFIX)
+    kv: dict[str, bytes] = {gen_key(0): sealer.seal(gen_key(0), Generation(0, 2).to_json())}
+    for i, what in enumerate(before, start=1):
+        rec = Generation(i, 2, finished=what == "finished").to_json()
+        kv[gen_key(i)] = {"agent": sealer.seal(gen_key(i), rec), "finished": sealer.seal(gen_key(i), rec),
+                          "forged": rec, "garbage": b"\xff not json"}[what]
+
+    def cas(key: str, old: Optional[bytes], new: bytes) -> Optional[bytes]:
+        if kv.get(key) == (old or None) or (old == b"" and key not in kv):
+            kv[key] = new
+        return kv.get(key)
+
+    sealed_before = {k: v for k, v in kv.items() if sealer.open(k, v) is not None}
+    g = publish(sealer, kv.get, cas, 0, lambda n: Generation(n, 2, 5, "replaced"))
+    assert g >= 1
+    assert {k: kv[k] for k in sealed_before} == sealed_before, "no sealed record is overwritten"
+    rec = Generation.from_json(sealer.open(gen_key(g), kv[gen_key(g)]) or b"")
+    if gen_key(g) in sealed_before:
+        assert rec.finished, "only the workers' finished record stops a publisher on a taken number"
+    else:
+        assert (rec.gen, rec.restart_count, rec.finished) == (g, 5, False)
+    if all(w == "agent" for w in before):
+        assert g == len(before) + 1, "honest records: the number after the newest"
+
+
+@pytest.mark.parametrize("forged", [b"not a number", Generation(1, 2, finished=True).to_json()])
+def test_a_strangers_next_generation_moves_no_agent_and_stops_no_watch(tmp_path: Path, forged: bytes) -> None:
+    """Bytes a stranger writes as the next generation's record (garbage, or a well-formed
+    unsealed record) are not followed and leave the watch running; a sealed error afterwards
+    still wakes the agent, and the agent's next generation replaces the forged bytes."""
     with agent_round(tmp_path, token=True) as (rnd, server, events):
-        server.set(f"{PREFIX}/{GEN_COUNTER}", counter)
-        server.set(f"{PREFIX}/{gen_key(7)}", Generation(7, 2, finished=True).to_json())  # forged
+        server.set(f"{PREFIX}/gen", b"not a number")  # where a counter would be: read by nobody
+        server.set(f"{PREFIX}/{gen_key(1)}", forged)
+        server.set(f"{PREFIX}/{gen_key(7)}", Generation(7, 2, finished=True).to_json())
         time.sleep(1.0)  # the watch looks every 0.1 s
         assert rnd.gen == 0 and rnd.pending is None and rnd.deadline is None
         assert rnd._watcher.is_alive(), "the in-place watch is still running"
         sealer = Sealer(rnd.env("n0", 0)[ENV_KEY], PREFIX)
         server.set(f"{PREFIX}/{error_key(0)}", sealer.seal(error_key(0), forged_error()))
         assert saw_error(rnd, 5), "a sealed error still wakes the agent"
+        assert rnd._next(1, "replaced") == 1
+        assert sealer.open(gen_key(1), server.try_get(f"{PREFIX}/{gen_key(1)}")) is not None
         assert not events
 
 
-def test_without_a_token_a_bumped_counter_with_a_record_is_followed(tmp_path: Path) -> None:
+def test_without_a_token_a_next_generation_record_is_followed(tmp_path: Path) -> None:
     """The failing side: without a token, a generation record is believed as written."""
     with agent_round(tmp_path, token=False) as (rnd, server, _events):
-        server.set(f"{PREFIX}/{GEN_COUNTER}", b"7")
-        server.set(f"{PREFIX}/{gen_key(7)}", Generation(7, 2).to_json())
+        server.set(f"{PREFIX}/{gen_key(1)}", Generation(1, 2).to_json())
         deadline = time.monotonic() + 5
-        while rnd.gen != 7 and time.monotonic() < deadline:
+        while rnd.gen != 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert rnd.gen == 7 and rnd.pending == 7
+        assert rnd.gen == 1 and rnd.pending == 1
 
 
 # -- end to end ------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ import time
 from typing import Optional
 
 from ..inplace.protocol import (
-    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, Sealer, error_key,
-    gen_key, read_counter, ready_key, ready_time,
+    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key, newest,
+    publish, ready_key, ready_time,
 )
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
@@ -145,11 +145,9 @@ class InPlaceRound:
 
     # -- generations --------------------------------------------------------------------------
     def _next(self, restart_count: int, reason: str) -> int:
-        g = self.store.add(GEN_COUNTER, 1)
-        key = gen_key(g)
-        self.sealer.claim(key, Generation(g, self.world_size, restart_count, reason, self.nodes).to_json(),
-                          lambda old, new: self.store.compare_set(key, old, new))
-        return g
+        store = self.store
+        return publish(self.sealer, store.try_get, store.compare_set, self.gen,
+                       lambda g: Generation(g, self.world_size, restart_count, reason, self.nodes))
 
     def cooperative(self) -> bool:
         """Whether the workers re-form in place at all (``run_elastic`` marks each generation
@@ -207,16 +205,13 @@ class InPlaceRound:
             store.close()
 
     def _published(self, store: Store) -> int:
-        """The newest generation another agent has published, else ours: the counter
-        (:func:`read_counter`) is believed only with its generation record there, sealed when
-        the job has a token, so a stranger bumping it moves nobody."""
-        latest = read_counter(store.try_get(f"{self.prefix}/{GEN_COUNTER}"), self.gen)
-        if latest <= self.gen:
-            return self.gen
-        raw = store.try_get(f"{self.prefix}/{gen_key(latest)}")
-        if raw is None or (self.sealer.enabled and self.sealer.open(gen_key(latest), raw) is None):
-            return self.gen
-        return latest
+        """The newest generation another agent has published, else ours (:func:`newest`: one
+        read when there is none); a record that does not verify (token jobs) is not there, so
+        nothing a stranger writes moves anybody."""
+        def present(g: int) -> bool:
+            return self.sealer.open(gen_key(g), store.try_get(f"{self.prefix}/{gen_key(g)}")) is not None
+
+        return newest(present, self.gen)
 
     def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:
@@ -248,7 +243,7 @@ class InPlaceRound:
         if any(r.exitcode == 0 for r in results.values()):
             return False  # the job is finishing; a lone replacement would wait for the others
         try:
-            self.store.add(GEN_COUNTER, 0)
+            self.store.try_get(gen_key(self.gen))  # the in-place store is still there
         except StoreError as e:
             # The in-place store died with its host's agent (the likely cause of these
             # failures): nobody can re-form in place. Restart-all decides, charging once.

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
-from ..inplace.protocol import GEN_COUNTER, Generation, Sealer, gen_key
+from ..inplace.protocol import Generation, Sealer, gen_key, newest
 from ..rendezvous import RoundInfo
 from ..rendezvous.auth import Signer
 from ..rendezvous.sealed import Records, derive_key
@@ -104,10 +104,10 @@ class InPlaceHost:
         host = str(data.get("node_id")) if data is not None else None
         members = {m.node_id for m in info.members}
         if host == self.node_id and self._prefix is not None:
-            setup = self._setup(keep)
+            setup = self._setup(records, keep)
         elif (host is None or host not in members) and info.rank == 0:
             records.write(HOST_KEY, {"node_id": self.node_id})
-            setup = self._setup(False)
+            setup = self._setup(records, False)
         else:
             got = round_records.wait(STORE_KEY, timeout)
             if got is None:
@@ -125,19 +125,27 @@ class InPlaceHost:
         assert server is not None
         # Once: the workers' rank 0 may have written "finished" here as the job ended. Sealed
         # with a token; bytes there that do not verify are replaced.
-        sealer = Sealer(inplace_key(records.signer), self._prefix)
+        sealer = self._sealer(records)
         key = gen_key(setup.gen)
         sealer.claim(key, replace(first, gen=setup.gen).to_json(),
                      lambda old, new: server.compare_set(f"{sealer.prefix}/{key}", old, new))
         return setup
 
-    def _setup(self, keep: bool) -> Setup:
+    def _sealer(self, records: Records) -> Sealer:
+        assert self._prefix is not None
+        return Sealer(inplace_key(records.signer), self._prefix)
+
+    def _setup(self, records: Records, keep: bool) -> Setup:
         if self._server is None:
             self._server = TCPStore.serve(self.addr, 0)
         host = f"[{self.addr}]" if ":" in self.addr else self.addr
         endpoint = f"{host}:{self._server.port}"
         if keep and self._prefix is not None:
-            gen = self._server.add(f"{self._prefix}/{GEN_COUNTER}", 1)
+            # The generation after the newest the kept workers could be in (records are
+            # numbered without gaps from 0; see inplace.protocol.newest).
+            server, sealer = self._server, self._sealer(records)
+            gen = newest(lambda g: sealer.open(gen_key(g), server.try_get(sealer.name(gen_key(g)))) is not None,
+                         0) + 1
             return Setup(endpoint, self._prefix, gen, True)
         return Setup(endpoint, "", 0, False)
 

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from .protocol import (
-    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, GEN_COUNTER, Generation, Sealer, error_key,
-    gen_key, is_peer_failure, joined_key, pg_prefix, ready_key, ready_value, shard,
+    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key,
+    is_peer_failure, joined_key, newest, pg_prefix, ready_key, ready_value, shard,
 )
 from .state import State
 
@@ -293,34 +293,50 @@ class Session:
         assert self.store is not None
         if after is None and self.first_gen > 0:
             after = self.first_gen - 1  # a joining node's worker: not before the round it joins
-        if after is not None:
-            try:
-                self.store.wait([gen_key(after + 1)], datetime.timedelta(seconds=self.wait_s))
-            except RuntimeError:
-                raise RecoveryError(f"rank {self.rank}: no generation after {after} within "
-                                    f"{self.wait_s:.0f}s; giving up on in-place recovery") from None
-        latest = int(self.store.add(GEN_COUNTER, 0))
-        if after is not None and latest <= after:
-            latest = after + 1  # the record is written after the counter's bump; it exists
-        key = gen_key(latest)
+        first = after + 1 if after is not None else 0
         deadline = time.monotonic() + self.wait_s
         while True:
-            value = self.sealer.open(key, self.store.get(key))
+            self._await(first, deadline)
+            # The newest from there: records are numbered without gaps, so reading them finds
+            # it; bytes that do not verify end the run.
+            latest = newest(self._published, first)
+            value = self._open(latest)
             if value is not None:
                 return Generation.from_json(value)
-            # Token jobs: bytes there that do not verify are absent; the agent replaces them.
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"rank {self.rank}: no sealed generation {latest} within "
-                                    f"{self.wait_s:.0f}s; giving up on in-place recovery")
-            time.sleep(0.05)
+
+    def _await(self, g: int, deadline: float) -> None:
+        """Until generation ``g``'s record is there (and verifies). A store wait may end before
+        the key exists (torch's store wakes a waiter when anyone reads the absent key by
+        compare-and-set), so presence is checked, never inferred."""
+        assert self.store is not None
+        key = gen_key(g)
+        while not self._published(g):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RecoveryError(f"rank {self.rank}: no generation {g} within {self.wait_s:.0f}s; "
+                                    "giving up on in-place recovery")
+            if self.store.check([key]):
+                time.sleep(0.05)  # token jobs: bytes that do not verify; the agent replaces them
+                continue
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=min(left, 1.0)))
+            except RuntimeError:
+                pass  # timed out: look again, until the deadline
+
+    def _open(self, g: int) -> Optional[bytes]:
+        """Generation ``g``'s record, None when absent or it does not verify."""
+        assert self.store is not None
+        key = gen_key(g)
+        if not self.store.check([key]):
+            return None
+        return self.sealer.open(key, self.store.get(key))
 
     def _published(self, g: int) -> bool:
         """Whether generation ``g``'s record exists (and, token jobs, verifies)."""
         assert self.store is not None
-        key = gen_key(g)
-        if not self.store.check([key]):
-            return False
-        return not self.sealer.enabled or self.sealer.open(key, self.store.get(key)) is not None
+        if not self.sealer.enabled:
+            return bool(self.store.check([gen_key(g)]))
+        return self._open(g) is not None
 
     def superseded(self, gen: int) -> bool:
         """Whether a generation after ``gen`` exists (nodes joined); looked up at most every

@@ -5,10 +5,10 @@ start in; every in-place recovery publishes the next. All keys live on the in-pl
 TCPStore the agent of group rank 0 hosts, so that it outlives any worker) under the round's
 prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
 
-    gen                  counter: the newest generation number (``add(gen, 0)`` reads it)
-    gen/<G>              JSON record of generation G (below); written once (compare-and-set)
-                         after the bump, by the agent publishing it, unless the workers'
-                         rank 0 wrote a ``finished`` record there first: the job ended
+    gen/<G>              JSON record of generation G (below); written once, by a
+                         compare-and-set on the first number without one (:func:`publish`),
+                         by the agent publishing it, or by the workers' rank 0 for a
+                         ``finished`` record: the job ended
     g<G>/pg/...          the process group's own store keys (a fresh prefix per generation)
     g<G>/joined          counter of workers that formed G's group and synced the state
     g<G>/ready           set by the last of them: generation G trains; the value is the wall
@@ -19,7 +19,10 @@ prefix, which the workers get as ``ELASTICTK_INPLACE_PREFIX``::
 With a job token (``--rdzv-token``) the records (``gen/<G>``, ``g<G>/ready``, ``g<G>/error``)
 are sealed (:class:`Sealer`) with a per-run key the agent derives from the token and the run's
 nonce and hands its workers as ``ELASTICTK_INPLACE_KEY`` (never the token itself); a record
-that does not verify reads as absent. Counters are not sealed.
+that does not verify reads as absent. The ``joined`` counters are not sealed; there is no
+generation counter: the records themselves are numbered without gaps from 0, so the newest is
+found by reading them (:func:`newest`), and nobody adds to a key a stranger may have filled
+with garbage (torch's store drops a client whose ``add`` meets it).
 
 Plain JSON, no torch: the agent reads this module without importing torch.
 """
@@ -40,24 +43,25 @@ ENV_FIRST_GEN = "ELASTICTK_INPLACE_FIRST_GEN"  # a joining worker's first genera
 ENV_KEY = "ELASTICTK_INPLACE_KEY"  # token jobs: the run's in-place key (derived, not the token)
 SCHEMA = "elastictk.inplace-generation/1"
 
-GEN_COUNTER = "gen"
-#: how far past the generation a reader knows it follows the counter at once: each recovery
-#: adds one, so more than a handful between two looks is not a real job
-MAX_GEN_STEP = 64
-
-
-def read_counter(raw: Optional[bytes], known: int) -> int:
-    """The generation counter's bytes (None: absent) as a generation, clamped to
-    ``known..known + MAX_GEN_STEP``: anyone can write a counter (it cannot be sealed), so a
-    reader follows it only to a generation whose record it then finds. Not a number: ``known``.
-    Read, never added to: torch's store drops a client whose ``add`` meets garbage."""
-    if raw is None:
-        return known
-    try:
-        value = int(raw.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        return known
-    return max(known, min(value, known + MAX_GEN_STEP))
+def newest(present: Callable[[int], bool], known: int) -> int:
+    """The newest generation whose record is there (and, token jobs, verifies), given that
+    ``known``'s is. Records are published without gaps (:func:`publish` claims the first free
+    number only once the one before it is there), so a galloping search finds the end of the
+    run in O(log n) reads however many generations a long job went through: one read when
+    nothing is new. Bytes that do not verify end the run; nothing a stranger writes moves a
+    reader past the last sealed record."""
+    lo, step = known, 1
+    while present(lo + step):
+        lo += step
+        step *= 2
+    hi = lo + step  # not there
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if present(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def gen_key(g: int) -> str:
@@ -251,3 +255,32 @@ def shard(global_size: int, rank: int, world_size: int) -> range:
     base, extra = divmod(global_size, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
+
+
+def is_finished(raw: bytes) -> bool:
+    """Whether an opened generation record is the workers' ``finished`` one (unreadable: no)."""
+    try:
+        return Generation.from_json(raw).finished
+    except ValueError:
+        return False
+
+
+def publish(sealer: Sealer, read: Callable[[str], Optional[bytes]],
+            cas: Callable[[str, Optional[bytes], bytes], Optional[bytes]], known: int,
+            make: Callable[[int], Generation]) -> int:
+    """Publish the generation after the newest there (from ``known`` on): claim the first
+    number without a record, and the next when another agent's record won it. ``read(key)``
+    and ``cas(key, expected, desired)`` are the store's, under the sealer's prefix. When the
+    workers' ``finished`` record won the number, that number is returned as it is: the job
+    ended, and a replacement started for it exits at once."""
+    def present(g: int) -> bool:
+        return sealer.open(gen_key(g), read(gen_key(g))) is not None
+
+    g = newest(present, known) + 1
+    for _ in range(_CAS_TRIES):
+        key = gen_key(g)
+        won, current = sealer.claim(key, make(g).to_json(), lambda old, new: cas(key, old, new))
+        if won or is_finished(current):
+            return g
+        g += 1
+    raise RuntimeError(f"in-place store: {_CAS_TRIES} generations published at once after {known}")

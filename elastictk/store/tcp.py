@@ -23,7 +23,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch.distributed as dist  # noqa: E402  (after the log level is set)
 
 # A value no one stores: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key in one atomic round
-# trip without creating it (c10d returns ``expected`` for an absent key and never writes it).
+# trip without creating it (c10d returns ``expected`` for an absent key and never writes it, but
+# wakes the key's waiters: ``try_get`` checks first).
 _ABSENT = b"\x00elastictk-absent\x00" + os.urandom(16)
 
 
@@ -129,7 +130,12 @@ class TCPStore(Store):
             s.check([key])
 
     def try_get(self, key: str) -> bytes | None:
+        # Checked first: c10d's server wakes every client waiting on a key when anyone
+        # compare-and-sets it while it is absent (its blocked ``get`` then returns b""), so a
+        # read of an absent key must not be a compare-and-set. Present: one atomic read.
         with self._op("get", [key]) as s:
+            if not s.check([key]):
+                return None
             value = s.compare_set(key, _ABSENT, _ABSENT)  # type: ignore[arg-type]  # bytes, as set
         return None if value == _ABSENT else bytes(value)
 

@@ -10,9 +10,12 @@ from typing import Callable
 
 import pytest
 
-from elastictk.agent.coordination import RoundCoordinator, agree_master, restart_count
+from elastictk.agent.coordination import Decision, RoundCoordinator, agree_master, restart_count
+from elastictk.agent.inplace_host import HOST_KEY, STORE_KEY, InPlaceHost, Setup, started_key
 from elastictk.agent.policy import RestartPolicy
+from elastictk.inplace.protocol import Generation
 from elastictk.rendezvous import RendezvousHandler, RoundInfo
+from elastictk.rendezvous.records import Member, RoundResult
 from elastictk.store import Store
 from tests import test_rendezvous as _rdzv
 from tests.test_rendezvous import fast, infos, join_all
@@ -183,3 +186,146 @@ def test_a_flood_of_arrivals_sizes_nothing(connect_store: Callable[[], Store]) -
         assert time.monotonic() - t0 < 20, "no read sized by the forged counter"
     finally:
         h.close()
+
+
+def nodes_with(connect_store: Callable[[], Store], job: str, token: str | None,
+               ids: str = "ab") -> tuple[list[RendezvousHandler], dict[str, RoundInfo]]:
+    hs = [RendezvousHandler(connect_store(), fast(job, len(ids), len(ids), token=token), node_id=n) for n in ids]
+    return hs, infos(join_all(hs))
+
+
+def agree_inplace(host: InPlaceHost, h: RendezvousHandler, info: RoundInfo, keep: bool = False,
+                  joining: tuple[str, ...] = (), start_timeout: float = 5.0) -> Setup:
+    return host.agree(h.records, info, keep=keep, fresh_prefix=f"fresh/{h.node_id}/{info.round}",
+                      first=Generation(0, info.world_size), joining=list(joining), timeout=20,
+                      start_timeout=start_timeout)
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_forged_inplace_host_and_setup_records_are_not_followed(connect_store: Callable[[], Store],
+                                                               token: str | None) -> None:
+    """A stranger names a member as the in-place store's host and writes a setup pointing the
+    workers at its own endpoint: with a token both are waited past (group rank 0 hosts, every
+    agent gets its endpoint); without one, the same writes are believed (the failing side)."""
+    hs, rounds = nodes_with(connect_store, "ipforge" + ("t" if token else "n"), token)
+    raw = connect_store()
+    hosts = {h.node_id: InPlaceHost("127.0.0.1", h.node_id) for h in hs}
+    try:
+        by_rank = sorted(hs, key=lambda h: rounds[h.node_id].rank)
+        h0, h1 = by_rank
+        info1 = rounds[h1.node_id]
+        raw.set(f"{h0.prefix}/{HOST_KEY}", json.dumps({"node_id": h1.node_id}).encode())
+        evil = {"endpoint": "127.0.0.1:9", "prefix": "evil", "gen": 0, "keep": False}
+        raw.set(f"{info1.store_prefix}/{STORE_KEY}", json.dumps(evil).encode())
+        got: dict[str, Setup | BaseException] = {}
+
+        def run(h: RendezvousHandler) -> None:
+            try:
+                got[h.node_id] = agree_inplace(hosts[h.node_id], h, rounds[h.node_id])
+            except BaseException as e:  # noqa: BLE001 - handed to the asserting thread
+                got[h.node_id] = e
+
+        threads = [threading.Thread(target=run, args=(h,)) for h in (h1, h0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        s0, s1 = got[h0.node_id], got[h1.node_id]
+        if token:
+            assert isinstance(s0, Setup) and isinstance(s1, Setup), got
+            assert s0.endpoint != "127.0.0.1:9" and s1 == s0, "both follow group rank 0's real store"
+            assert h0.records.read(HOST_KEY) == {"node_id": h0.node_id}
+            assert b'"mac"' in (raw.try_get(f"{h0.prefix}/{HOST_KEY}") or b""), "the forged host was replaced"
+        else:
+            assert isinstance(s1, Setup) and s1.endpoint == "127.0.0.1:9", got
+    finally:
+        for x in hosts.values():
+            x.close()
+        for h in hs:
+            h.close()
+        raw.close()
+
+
+def test_a_forged_started_mark_does_not_make_the_host_publish_early(connect_store: Callable[[], Store]) -> None:
+    """When a node joins in place, the host publishes the new generation once the joiner's
+    agent says its workers started; a stranger's unsealed mark is waited past: the generation
+    appears only after the real (sealed) mark."""
+    hs, rounds = nodes_with(connect_store, "started", TOKEN, ids="a")
+    (h,) = hs
+    info = rounds["a"]
+    host = InPlaceHost("127.0.0.1", "a")
+    raw = connect_store()
+    try:
+        first = agree_inplace(host, h, info)
+        raw.set(f"{info.store_prefix}/{started_key('c')}", json.dumps({"node_id": "c"}).encode())
+        real_written = threading.Event()
+
+        def real_mark() -> None:
+            time.sleep(1.0)
+            real_written.set()
+            h.records.view(info.store, info.store_prefix).write(started_key("c"), {"node_id": "c"})
+
+        t = threading.Thread(target=real_mark)
+        t.start()
+        setup = agree_inplace(host, h, info, keep=True, joining=("c",), start_timeout=30)
+        published_after_real = real_written.is_set()
+        t.join(10)
+        assert setup.keep and setup.prefix == first.prefix and setup.gen == 1
+        assert published_after_real, "the forged mark made the host publish before the joiner started"
+    finally:
+        host.close()
+        h.close()
+        raw.close()
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_a_forged_decider_does_not_take_the_decision(connect_store: Callable[[], Store], token: str | None) -> None:
+    """A stranger claims the round's ``decider`` before a real failure: with a token the node
+    whose worker failed still wins the compare-and-set and charges it; without one, the
+    stranger's claim stands (the failing side)."""
+    hs, rounds = nodes_with(connect_store, "decider" + ("t" if token else "n"), token, ids="a")
+    (h,) = hs
+    raw = connect_store()
+    coord = RoundCoordinator(h.store, rounds["a"].store, "a", on_failure=lambda: None, signer=h.signer,
+                             where=(h.prefix, rounds["a"].store_prefix))
+    try:
+        raw.set(f"{rounds['a'].store_prefix}/decider", json.dumps({"node_id": "mallory"}).encode())
+        won, holder = coord.records.claim("decider", {"node_id": "a"})
+        if token:
+            assert won and holder["node_id"] == "a"
+            coord.records.store.delete("decider")  # as before the failure: decide claims it itself
+            raw.set(f"{rounds['a'].store_prefix}/decider", json.dumps({"node_id": "mallory"}).encode())
+            assert coord.decide(RestartPolicy(max_restarts=3), "boom") == Decision("restart", 1, "boom")
+            assert restart_count(h.store, h.signer, h.prefix) == 1
+        else:
+            assert not won and holder["node_id"] == "mallory"
+    finally:
+        coord.stop(wait=True)
+        h.close()
+        raw.close()
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_a_forged_round_result_is_not_believed(connect_store: Callable[[], Store], token: str | None) -> None:
+    """A well-formed but unsigned result for the round the nodes are about to close, naming a
+    stranger as its only member: with a token the closer replaces it and the real members get
+    the round; without one the nodes believe it (the failing side: the stranger is a member or
+    the nodes are sent on to another round)."""
+    job = "result" + ("t" if token else "n")
+    raw = connect_store()
+    forged = RoundResult(1, (Member("mallory", 0, {}),)).to_json()
+    raw.set(f"rdzv/{job}/r/1/result", forged)
+    hs = [RendezvousHandler(connect_store(), fast(job, 2, 2, token=token, join_timeout=8.0), node_id=n) for n in "ab"]
+    try:
+        out = join_all(hs)
+        if token:
+            got = infos(out)
+            assert {m.node_id for m in got["a"].members} == {"a", "b"} and got["a"].round == 1
+            assert got["a"].members == got["b"].members
+        else:
+            assert any(isinstance(v, BaseException) or v.round != 1 or "mallory" in {m.node_id for m in v.members}
+                       for v in out.values()), out
+    finally:
+        for h in hs:
+            h.close()
+        raw.close()

@@ -9,6 +9,7 @@ generation, and whether the running workers are kept.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
@@ -117,10 +118,11 @@ class InPlaceHost:
         setup = replace(setup, prefix=self._prefix)
         round_records.write(STORE_KEY, asdict(setup))
         if setup.keep and joining:
-            try:
-                info.store.wait([started_key(n) for n in joining], start_timeout)
-            except StoreTimeout:
-                pass  # publish anyway: the late workers join the formed generation's group
+            # Each joiner's sealed mark (a stranger's bytes are waited past); publish anyway
+            # at the deadline: the late workers join the formed generation's group.
+            deadline = time.monotonic() + start_timeout
+            for n in joining:
+                round_records.wait(started_key(n), deadline - time.monotonic())
         server = self._server
         assert server is not None
         # Once: the workers' rank 0 may have written "finished" here as the job ended. Sealed

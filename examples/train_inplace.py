@@ -49,6 +49,10 @@ def main() -> None:
     p.add_argument("--crash", action="append", default=[],
                    help="STEP:RANK[:SIGNAL] the first process of this rank kills itself at this "
                         "step (SIGSTOP freezes it instead: a hang)")
+    p.add_argument("--crash-at-start", metavar="K:PATH",
+                   help="once per job (PATH marks that it happened): a process started with "
+                        "TORCHELASTIC_RESTART_COUNT=K is SIGKILLed before it joins (a replacement "
+                        "that dies while its generation forms: the agent falls back to restart-all)")
     p.add_argument("--record", help="append one JSON line per group formation to this file")
     p.add_argument("--trace", help="append one JSON line per step and rank (the global sample "
                    "indices it trained on) and, from rank 0, the final weights")
@@ -105,6 +109,16 @@ def main() -> None:
         print(f"[rank {ctx.rank}] step {step + 1} loss {loss.item() * ctx.world_size:.6f}", flush=True)
         state.step = step + 1
 
+    if args.crash_at_start:
+        count, _, marker = args.crash_at_start.partition(":")
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == count:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                print(f"[rank {os.environ.get('RANK')}] injected SIGKILL at start", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     ctx = run_elastic(state, train_step, steps=args.steps, on_join=on_join)
     if ctx.rank == 0:
         print(f"final checksum {checksum(model)} after {args.steps} steps", flush=True)

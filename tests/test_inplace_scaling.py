@@ -28,8 +28,11 @@ CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=3,join_time
 class Job:
     """Agents of one in-place job (file rendezvous: no store host to lose); reaps them all."""
 
-    def __init__(self, tmp: Path, nnodes: str, steps: int = STEPS, restarts: int = 0) -> None:
+    def __init__(self, tmp: Path, nnodes: str, steps: int = STEPS, restarts: int = 0,
+                 rdzv: tuple[str, str, str] | None = None) -> None:
+        """``rdzv``: (backend, endpoint, job id); a file store under ``tmp`` by default."""
         self.tmp = tmp
+        self.rdzv = rdzv or ("file", str(tmp / "rdzv"), "scale")
         self.restarts = restarts
         self.nnodes = nnodes
         self.steps = steps
@@ -40,7 +43,7 @@ class Job:
     def start(self, *extra: str) -> subprocess.Popen[str]:
         i = len(self.agents)
         cmd = [sys.executable, "-m", "elastictk.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
-               "--rdzv-backend", "file", "--rdzv-endpoint", str(self.tmp / "rdzv"), "--rdzv-id", "scale",
+               "--rdzv-backend", self.rdzv[0], "--rdzv-endpoint", self.rdzv[1], "--rdzv-id", self.rdzv[2],
                "--rdzv-conf", CONF, "--max-restarts", str(self.restarts), "--recovery", "in-place",
                "--log-dir", str(self.tmp / f"logs{i}"), "--event-log", str(self.events(i)),
                INPLACE, "--steps", str(self.steps), "--step-time", "0.1", "--trace", str(self.trace),

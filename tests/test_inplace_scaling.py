@@ -238,7 +238,7 @@ def test_the_end_and_a_new_generation_race_for_one_record(tmp_path: Path) -> Non
     import torch.distributed as dist
 
     from elastictk.inplace import State
-    from elastictk.inplace.loop import Context, Session
+    from elastictk.inplace.session import Context, Session
     from elastictk.inplace.protocol import Generation, gen_key
     from elastictk.store import TCPStore as Server
 

@@ -94,7 +94,7 @@ def test_a_claim_replaces_forged_bytes_but_not_a_sealed_record() -> None:
 def worker_session(key: Optional[str]) -> Iterator[tuple[Any, TCPStore]]:
     import torch.distributed as dist
 
-    from elastictk.inplace.loop import Session
+    from elastictk.inplace.session import Session
 
     server = TCPStore.serve("127.0.0.1", 0)
     raw = dist.TCPStore("127.0.0.1", server.port, is_master=False,

@@ -65,6 +65,8 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
 
         print(render_text(result.report), file=sys.stderr)
     level = logging.INFO if result.exit_code == 0 else logging.ERROR
+    if result.recovery_summary:  # where the job's recoveries spent their time
+        log.log(level, "%s", result.recovery_summary)
     log.log(level, "%s (exit %d): %s", result.state, result.exit_code, result.message)
     if result.exit_code != 0 and not exits:
         raise _exception_for(config, result)

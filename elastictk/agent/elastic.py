@@ -41,6 +41,7 @@ from .inplace import InPlaceRound, open_round
 from .inplace_host import InPlaceHost, started_key
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
 from .policy import RestartPolicy
+from .recovery import RecoveryWatch
 from .stragglers import StragglerSettings, StragglerWatch, watch_round
 from .watchdog import Watchdog
 
@@ -118,6 +119,7 @@ class _Round:
     outcome: Outcome = Outcome.SUCCEEDED
     failed: list[WorkerResult] = field(default_factory=list)
     cooperative: bool = False  # in-place workers that re-form: kept through a change of nodes
+    noticed: float | None = None  # monotonic: when the monitor returned the outcome
 
 
 class ElasticAgent:
@@ -147,6 +149,8 @@ class ElasticAgent:
         self._steps: WorkerStepsBlock | None = None  # read for the crash-loop count
         self._attempt_pids: set[int] = set()  # the current attempt's workers, as started
         self._health: HealthWatch | None = None  # --health-check while a round runs
+        self._recovery = RecoveryWatch(self._emit, None)  # given the steps block in run()
+        self._replaced_at: float | None = None  # in place: when the failures being replaced exited
 
     # -- public -----------------------------------------------------------------------------
     def run(self) -> AgentResult:
@@ -159,6 +163,7 @@ class ElasticAgent:
         # The local snapshot tier: memory that outlives the workers and dies with this agent.
         snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
         own_steps = self._steps_block()
+        self._recovery = RecoveryWatch(self._emit, self._steps)
         self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
                                  on_expiry=self._wake, progress_timeout=cfg.progress_timeout,
                                  startup_timeout=cfg.startup_timeout, steps=self._steps)
@@ -176,18 +181,19 @@ class ElasticAgent:
         self._install_signals()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
-            return self._loop(addr)
+            return self._summarized(self._loop(addr))
         except StoreError as e:
             # The store is gone (e.g. the host of a c10d store died): fail fast, never hang.
             self.group.stop()
             self._emit(EventKind.STORE_LOST, error=str(e))
-            return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
+            return self._summarized(AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts))
         except RendezvousError as e:
             # Refused (no token), forged or foreign state, too few nodes: one line, no traceback.
             self.group.stop()
             self._emit(EventKind.RENDEZVOUS_FAILED, error=str(e))
-            return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
+            return self._summarized(AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts))
         finally:
+            self._recovery.finish()  # an exception: the recovery in flight, before the block goes
             self._restore_signals()
             self.group.close()
             self.watchdog.close()
@@ -206,6 +212,13 @@ class ElasticAgent:
                 self.handler.close(leaving=True)
             except StoreError:
                 pass
+
+    def _summarized(self, result: AgentResult) -> AgentResult:
+        """``result`` with the end-of-job line on where recovery time went (a recovery still
+        awaiting its first step is emitted first, with the phases known)."""
+        self._recovery.finish()
+        result.recovery_summary = self._recovery.summary()
+        return result
 
     def pids(self) -> dict[int, int]:
         """Local rank → PID of the running workers (for fault injection and tests)."""
@@ -299,6 +312,7 @@ class ElasticAgent:
         restarts = self._budget.restart_count()
         self._assignment_now = self._assignment(info, restarts, addr)
         self._emit(EventKind.ROUND_JOINED, round=info.round, rank=info.rank, world=info.world_size)
+        self._recovery.joined()
         coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
                                  signer=handler.signer, where=(handler.prefix, info.store_prefix),
                                  budget=self._budget, on_error=lambda _e: group.wake())
@@ -315,6 +329,7 @@ class ElasticAgent:
                 stragglers = watch_round(cfg.stragglers, self._steps, self._assignment_now.base_global_rank,
                                          coord.records, handler.node_id, info, self._emit)
                 rnd.outcome, rnd.failed = self._monitor(coord, rnd.watch)
+                rnd.noticed = time.monotonic()
             except StartInterrupted:  # a terminating signal came while the workers started
                 rnd.outcome = Outcome.SIGNAL
             rnd.cooperative = (rnd.outcome == Outcome.MEMBERSHIP and self._inplace is not None
@@ -355,6 +370,7 @@ class ElasticAgent:
         self.attempts += 1
         self._emit(EventKind.WORKERS_STARTED, attempt=self.attempts - 1, restart_count=rnd.restarts,
                    pids=group.pids(), world_size=assignment.global_world_size, run_dir=str(group.run_log_dir))
+        self._recovery.started(self._attempt_pids)
         if self._inplace is not None and self._inplace.pending is not None:  # joined in place
             rnd.coord.records.write(started_key(self.handler.node_id), {"node_id": self.handler.node_id})
 
@@ -399,6 +415,10 @@ class ElasticAgent:
 
     def _on_failure(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None
+        local = rnd.outcome == Outcome.LOCAL_FAILURE and rnd.noticed is not None
+        self._recovery.failed(self._failed_at(rnd.failed) if local else None,
+                              rnd.noticed if local and rnd.noticed is not None else time.monotonic(),
+                              self._attempt_pids)
         decision = self._after_failure(rnd.outcome, rnd.failed, rnd.coord, rnd.restarts)
         if decision is None:
             # No decision came (the node that failed first died before deciding, or never
@@ -409,6 +429,7 @@ class ElasticAgent:
             decision = rnd.coord.take_over(self.config.policy, cause, self.config.decision_timeout)
             log.warning("%s: charged by %s", cause, "this node or the one that took over")
         if decision.action == DecisionAction.RESTART:
+            self._recovery.restarting(decision.restart_count)
             self._emit(EventKind.RESTART, restart_count=decision.restart_count, delay_s=decision.delay_s,
                        reason=decision.reason)
             self._backoff(decision.delay_s)
@@ -421,6 +442,21 @@ class ElasticAgent:
             f" (first failure on node {note.node_id}: {note.headline})"
         return AgentResult(ResultState.FAILED, 1, decision.reason + where, report=report,
                            restarts=rnd.restarts, attempts=self.attempts)
+
+    def _failed_at(self, failed: list[WorkerResult]) -> float | None:
+        """When this node's first failure happened: its worker's exit, or earlier, the moment a
+        watchdog declared it hung (a timer's expiry, the progress watchdog's verdict)."""
+        if not failed:
+            return None
+        first = min(failed, key=lambda r: r.ended_at)
+        at = first.ended_at
+        if self.watchdog is not None:
+            expiry, hang = self.watchdog.expiry_of(first.pid), self.watchdog.hang_of(first.pid)
+            if expiry is not None:
+                at = min(at, expiry.detected_at)
+            if hang is not None and hang.declared_at > 0:
+                at = min(at, hang.declared_at)
+        return at
 
     def _backoff(self, seconds: float) -> None:
         """The restart backoff, cut short by a terminating signal (the loop then acts on it)."""
@@ -461,7 +497,8 @@ class ElasticAgent:
         group = self.group
         while True:
             inplace = self._inplace
-            exited = group.wait_any(timeout=5.0 if inplace is None else inplace.wait_timeout(5.0))
+            exited = group.wait_any(timeout=self._recovery.wait(5.0 if inplace is None else inplace.wait_timeout(5.0)))
+            self._recovery.poll()  # a recovery's first step (read from the steps block)
             if self.watchdog is not None and any(r.failed for r in exited):
                 self.watchdog.blame_stopped([r.pid for r in exited if r.failed])
             self._emit_expiries()
@@ -470,6 +507,7 @@ class ElasticAgent:
                 assert self.watchdog is not None
                 for r in failed:
                     self.watchdog.forget(r.local_rank)
+                self._replaced_at = min(r.ended_at for r in failed)
                 if inplace.on_failures(failed):
                     assert self._assignment_now is not None
                     for r in failed:  # the replacements' timers are watched like the others'
@@ -513,6 +551,7 @@ class ElasticAgent:
             won = coord.report_failure(cause)
             self.group.stop()
             self._emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
+            self._recovery.stopped()
             if won:
                 return coord.decide(self.config.policy, cause)
             return coord.await_decision(self.config.decision_timeout)
@@ -523,6 +562,7 @@ class ElasticAgent:
             coord.report_failure(f"node {self.node_id}: in-place recovery failed")
             self.group.stop()
             self._emit(EventKind.WORKERS_STOPPED, reason="inplace_fallback")
+            self._recovery.stopped()
             charged = self._inplace.decision
             if charged is not None:  # this node charged the recovery: its decision, sealed
                 return coord.publish(charged, self.config.decision_timeout)
@@ -545,6 +585,7 @@ class ElasticAgent:
                        **extra, **({} if progressed is None else {"phase": "training" if progressed else "startup"}))
             self.group.stop()
             self._emit(EventKind.WORKERS_STOPPED, reason="worker_failed")
+            self._recovery.stopped()
             if won:
                 report = self._report(restarts)
                 root = report.root_cause
@@ -557,6 +598,7 @@ class ElasticAgent:
             self._emit(EventKind.PEER_FAILED, by=None if note is None else note.node_id)
             self.group.stop()
             self._emit(EventKind.WORKERS_STOPPED, reason="peer_failed")
+            self._recovery.stopped()
             inplace = self._inplace
             if inplace is not None and inplace.pending is not None and inplace.decision is not None:
                 # A recovery this node charged was still forming: its charge is the decision.
@@ -582,7 +624,7 @@ class ElasticAgent:
             restarts=restarts, keep=keep, previous=previous,
             fresh_prefix=round_prefix(cfg.rdzv.job_id, info.round, self.attempts),
             join_timeout=cfg.rdzv.join_timeout, reform_timeout=cfg.reform_timeout,
-            error_grace=cfg.rdzv.heartbeat_timeout + 5, emit=self._emit, standby=cfg.standby)
+            error_grace=cfg.rdzv.heartbeat_timeout + 5, emit=self._inplace_emit, standby=cfg.standby)
         return self._inplace.env(node_id, setup.gen), keep and setup.keep
 
     def _report(self, restarts: int) -> FailureReport:
@@ -647,6 +689,17 @@ class ElasticAgent:
                        where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
         for h in self.watchdog.take_hangs():
             self._emit(EventKind.HANG_DETECTED, **h.fields())
+
+    def _inplace_emit(self, kind: EventKind, **fields: Any) -> None:
+        """The in-place round's events, also timing its recoveries (replaced, then re-formed)."""
+        self._emit(kind, **fields)
+        if kind == EventKind.INPLACE_RECOVERY:
+            replaced = fields.get("replaced") or {}
+            at = self._replaced_at if self._replaced_at is not None else time.monotonic()
+            self._recovery.replaced(at, float(fields.get("spawn_ms") or 0.0) / 1000, set(replaced.values()),
+                                    int(fields.get("restart_count") or 0))
+        elif kind == EventKind.INPLACE_RECOVERED:
+            self._recovery.reformed(float(fields.get("took_ms") or 0.0) / 1000)
 
     def _emit(self, kind: EventKind, **fields: Any) -> None:
         log.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))

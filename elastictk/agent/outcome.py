@@ -67,3 +67,4 @@ class AgentResult:
     return_values: dict[int, Any] = field(default_factory=dict)
     restarts: int = 0
     attempts: int = 0
+    recovery_summary: str | None = None  # where recovery time went (agent/recovery.py), if any

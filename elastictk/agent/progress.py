@@ -96,6 +96,7 @@ class Hang:
     reason: str  # why these are the culprits
     host: str
     report_path: Optional[str]
+    declared_at: float = 0.0  # time.monotonic() when declared: where a recovery's detect begins
 
     def headline(self) -> str:
         c = self.culprits[0]
@@ -337,7 +338,7 @@ class ProgressWatch:
         path = _write_report(report_dir, kind, timeout, infos, culprits)
         hang = Hang(kind, timeout, tuple(infos[lr] for lr in culprits),
                     tuple(infos[lr] for lr in sorted(ranks) if lr not in culprits), reason,
-                    socket.gethostname(), path)
+                    socket.gethostname(), path, declared_at=now)
         with self._lock:
             for c in hang.culprits:
                 self._by_pid[c.pid] = hang

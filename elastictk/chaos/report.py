@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..faults import FaultPlan
-from . import nodereport
+from . import nodereport, phases
 from .expect import Shape, expect
 from .runner import RunRecord
 
@@ -43,6 +43,7 @@ class FaultRow:
     outcome: Optional[str] = None  # multi-node: restart | membership change | ridden through | ...
     why: Optional[str] = None  # a fault that did not fire: why not
     attempt: Optional[int] = None  # a step fault: the attempt it fires in
+    phases_ms: Optional[dict[str, float]] = None  # its recovery's phases (the agent's recovery event)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ def fault_rows(plan: FaultPlan, rec: RunRecord, shape: Optional[Shape] = None) -
             detected_after=None if detected is None else detected - inj.mono,
             running_after=None if running is None else running - inj.mono,
             restarts_used=None if restarted is None else int(restarted.fields.get("restart_count", 0)),
-            lost_steps=lost, outcome=None if shape is None else "restart"))
+            lost_steps=lost, outcome=None if shape is None else "restart",
+            phases_ms=phases.of_restart(rec.events, None if restarted is None else
+                                        int(restarted.fields.get("restart_count", 0)))))
     return rows
 
 
@@ -207,6 +210,8 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "faults_planned": len(rows),
         "recovery_mean_s": statistics.fmean(recov) if recov else None,
         "recovery_max_s": max(recov) if recov else None,
+        "recovery_phases_ms": phases.medians(rec.events),  # median per phase, of every recovery
+        "recoveries_timed": len(phases.of_run(rec.events)),
         "steps_lost": lost,
         "running_share": min(1.0, running / wall),
         "goodput": min(1.0, running / wall) * kept,
@@ -522,6 +527,8 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
     if any(r.outcome is not None for r in rows):
         head += ("outcome",)
         body = [b + ((r.outcome or "-") if r.fired else "-",) for b, r in zip(body, rows)]
+    extra, cells = phases.columns([r.phases_ms for r in rows])
+    head, body = head + extra, [b + c for b, c in zip(body, cells)]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     planned, fired = tot.get("faults_planned", len(rows)), tot["faults_fired"]
@@ -533,6 +540,9 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
                f"{tot['restarts']} restart(s); recovery mean {_s(mean)}, max {_s(mx)}; "
                f"goodput {tot['goodput']:.2f} (workers running {tot['running_share']:.0%} of the time, "
                f"{tot['steps_lost']} step(s) redone)" + (f"; checksum {tot['checksum']}" if tot["checksum"] else ""))
+    timed = phases.line(tot)
+    if timed is not None:
+        out.append(timed)
     if tot.get("nodes", 1) > 1:
         out.append(f"{tot['nodes']} node(s) over {tot['backend']}: " + "; ".join(
             f"node {a['node']}" + (f" (rejoined, agent {a['agent']})" if a["agent"] else "") +

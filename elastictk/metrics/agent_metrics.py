@@ -29,6 +29,7 @@ from .labels import (
 )
 from .kinds import EventKind
 from .layout import STEP_BUCKETS
+from .recovery import valid_phases
 from .steps import StepTotals, WorkerStepsBlock, goodput, totals
 
 log = logging.getLogger("elastictk.metrics")
@@ -47,6 +48,7 @@ IGNORED = frozenset({
     EventKind.SPARE_WAITING,  # counted in events_total{kind=}; a spare is not in a round
 })
 RENDEZVOUS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
@@ -94,6 +96,13 @@ class AgentMetrics:
         self.recovery = Histogram("elastictk_recovery_duration_seconds", "From a failure being "
                                   "detected to the workers running again.", b,
                                   buckets=RECOVERY_BUCKETS, registry=r)
+        self.phases = Histogram("elastictk_recovery_phase_seconds", "Each phase of a recovery, "
+                                "from the recovery event: detect, stop, rendezvous, start, restore, "
+                                "first_step (a phase that does not apply is not observed).",
+                                b + ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.redone = Counter("elastictk_steps_redone", "Steps the job ran again after a restart: "
+                              "those after the step it resumed from up to the last it had "
+                              "completed before the failure (the most of any local rank).", b, registry=r)
         self.timer_expirations = Counter("elastictk_timer_expirations", "Watchdog timers that "
                                          "expired, by scope.", b + ["scope"], registry=r)
         self.membership = Counter("elastictk_membership_changes", "Membership changes that ended "
@@ -118,7 +127,7 @@ class AgentMetrics:
                                    "gives up (max_restarts - restarts so far).", b, registry=r)
             self.remaining.labels(*self.labels).set(max_restarts)
         # present from the start (at 0), so increase() and rate() see the first one
-        for metric in (self.peer_failures, self.restarts, self.attempts, self.rounds):
+        for metric in (self.peer_failures, self.restarts, self.attempts, self.rounds, self.redone):
             metric.labels(*self.labels).inc(0)
         self._first_start: float | None = None
         self._ended: float | None = None
@@ -140,6 +149,7 @@ class AgentMetrics:
             K.JOB_FINISHED: self._job_finished, K.JOB_FINISHED_ELSEWHERE: self._ended_elsewhere,
             K.SIGNALLED: self._signalled, K.STORE_LOST: self._job_failed,
             K.RENDEZVOUS_FAILED: self._job_failed, K.STRAGGLER: self._straggler,
+            K.RECOVERY: self._recovered,
         }
         # Every kind, handled or (None) deliberately ignored: a new member must be placed here.
         self._handlers: Mapping[EventKind, Callable[[float, dict[str, Any]], None] | None] = {
@@ -270,6 +280,14 @@ class AgentMetrics:
         delay = f.get("delay_s")
         self._rdzv_from = now + (float(delay) if isinstance(delay, (int, float)) and delay > 0 else 0.0)
         self._set_state("recovering")
+
+    def _recovered(self, now: float, f: dict[str, Any]) -> None:
+        """A recovery's phases, each into its histogram; its redone steps into the counter."""
+        for phase, ms in valid_phases(f.get("phases_ms")).items():
+            self.phases.labels(*self.labels, phase).observe(ms / 1000)
+        redone = f.get("steps_redone")
+        if _is_int(redone) and redone > 0:
+            self.redone.labels(*self.labels).inc(redone)
 
     def _job_failed(self, now: float, f: dict[str, Any]) -> None:
         self._end_attempt(now)

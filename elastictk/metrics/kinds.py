@@ -38,6 +38,7 @@ class EventKind(str, enum.Enum):
     INPLACE_RECOVERED = "inplace_recovered"  # in-place: the workers re-formed in the new generation
     INPLACE_RESIZED = "inplace_resized"  # in-place: kept workers re-formed with the new set of nodes
     INPLACE_FALLBACK = "inplace_fallback"  # in-place recovery failed: restart-all takes over
+    RECOVERY = "recovery"  # a recovery's phases (detect ... first step), in ms, once its first step is done
     # the end
     EXIT_BARRIER_LEFT = "exit_barrier_left"  # finished, but left the exit barrier: a peer is lost
     JOB_FINISHED = "job_finished"  # every worker of the job finished: the agent succeeded

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = 0x6574_6B5F_7374_6570  # "etk_step"
-VERSION = 2  # 2: the straggler words (BLOCKED_SECONDS, BUSY_STEPS, BUSY_SECONDS)
+VERSION = 3  # 2: the straggler words (BLOCKED_SECONDS, BUSY_STEPS, BUSY_SECONDS); 3: FIRST/SECOND_STEP_MONO
 WORD = 8
 HEADER_WORDS = 16
 SLOT_WORDS = 64
@@ -43,22 +43,26 @@ LOST_SECONDS = 11  # D: their step time
 CHECKPOINTS = 12  # checkpoints reported, every process
 LAST_STEP_WALL = 13  # D: wall-clock time of the latest step (for "no progress" alerts)
 LAST_STEP_MONO = 14  # D: CLOCK_MONOTONIC of the latest step (the agent's progress watchdog)
+# D: CLOCK_MONOTONIC of the attached process's first and second counted step (0: not yet), so
+# the agent can time a recovery's restore and first step however late it reads the slot
+FIRST_STEP_MONO = 15
 BUCKET0 = 16  # BUCKETS words: per-bucket (not cumulative) counts of timed steps
 # The straggler signal (elastictk/agent/stragglers.py), every process: time blocked inside
 # Python collectives, and each timed step's own time (its duration less the time it was blocked).
 BLOCKED_SECONDS = 33  # D: seconds inside torch.distributed calls made from Python
 BUSY_STEPS = 34  # timed steps that added to BUSY_SECONDS
 BUSY_SECONDS = 35  # D: their duration less the time blocked in collectives during them
+SECOND_STEP_MONO = 36  # D: see FIRST_STEP_MONO
 
 DOUBLES = frozenset({SECONDS, PROC_SECONDS, CKPT_SECONDS, LOST_SECONDS, LAST_STEP_WALL, LAST_STEP_MONO,
-                     BLOCKED_SECONDS, BUSY_SECONDS})
+                     BLOCKED_SECONDS, BUSY_SECONDS, FIRST_STEP_MONO, SECOND_STEP_MONO})
 
 # Upper bounds (seconds) of the step-duration histogram; the last bucket is +Inf.
 STEP_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
 BUCKETS = len(STEP_BUCKETS) + 1
-assert BUCKET0 + BUCKETS <= BLOCKED_SECONDS and BUSY_SECONDS < SLOT_WORDS
+assert BUCKET0 + BUCKETS <= BLOCKED_SECONDS and SECOND_STEP_MONO < SLOT_WORDS
 
 
 def block_size(slots: int) -> int:
@@ -98,6 +102,8 @@ class SlotSnapshot:
     blocked_seconds: float = 0.0
     busy_steps: int = 0
     busy_seconds: float = 0.0
+    first_step_mono: float = 0.0  # the attached process's first counted step (0: none yet)
+    second_step_mono: float = 0.0  # and its second: the first whole step it timed
 
     @property
     def used(self) -> bool:
@@ -120,7 +126,7 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
     deadline = None
     while True:
         before = q[base + SEQ]
-        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(BUSY_SECONDS + 1)]
+        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(SECOND_STEP_MONO + 1)]
         if before % 2 == 0 and q[base + SEQ] == before:
             break
         now = time.monotonic()
@@ -138,5 +144,6 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
         last_step_wall=words[LAST_STEP_WALL], last_step_mono=words[LAST_STEP_MONO],
         buckets=tuple(int(w) for w in words[BUCKET0:BUCKET0 + BUCKETS]),
         blocked_seconds=words[BLOCKED_SECONDS], busy_steps=words[BUSY_STEPS],
-        busy_seconds=words[BUSY_SECONDS],
+        busy_seconds=words[BUSY_SECONDS], first_step_mono=words[FIRST_STEP_MONO],
+        second_step_mono=words[SECOND_STEP_MONO],
     )

@@ -58,9 +58,9 @@ from typing import Any, Mapping, Optional
 from .._onimport import OnImport, now_or_on_import
 from .layout import (
     BLOCKED_SECONDS, BUCKET0, BUSY_SECONDS, BUSY_STEPS, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH,
-    H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
+    FIRST_STEP_MONO, H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
     LAST_STEP_MONO, LAST_STEP_WALL, LOST_SECONDS, LOST_STEPS, MAGIC, OWNER, PROC_SECONDS, PROC_STEPS, SECONDS,
-    SEQ, STEPS, TIMED, VERSION, block_size, bucket_index, slot_base,
+    SECOND_STEP_MONO, SEQ, STEPS, TIMED, VERSION, block_size, bucket_index, slot_base,
 )
 
 ENV_PATH = "ELASTICTK_METRICS_SHM"
@@ -113,6 +113,7 @@ class _Slot:
             d[b + LOST_SECONDS] += max(0.0, d[b + PROC_SECONDS] - d[b + CKPT_SECONDS])
         q[b + PROC_STEPS] = q[b + CKPT_STEPS] = 0
         d[b + PROC_SECONDS] = d[b + CKPT_SECONDS] = 0.0
+        d[b + FIRST_STEP_MONO] = d[b + SECOND_STEP_MONO] = 0.0
         q[b + OWNER] = os.getpid()
         q[b + EPOCH] = q[H_EPOCH]
         q[b + SEQ] += 1
@@ -134,7 +135,9 @@ class _Slot:
             q[b + BUSY_STEPS] += 1
             d[b + BUSY_SECONDS] += max(0.0, seconds - blocked)
         d[b + LAST_STEP_WALL] = time.time()
-        d[b + LAST_STEP_MONO] = time.monotonic()
+        now = d[b + LAST_STEP_MONO] = time.monotonic()
+        if q[b + PROC_STEPS] <= 2:  # a recovery's restore and first step (agent/recovery.py)
+            d[b + (FIRST_STEP_MONO if q[b + PROC_STEPS] == 1 else SECOND_STEP_MONO)] = now
         q[b + SEQ] += 1
 
     def unrecord(self, seconds: float | None) -> None:

@@ -43,8 +43,8 @@ import time
 from typing import Optional
 
 from ..inplace.protocol import (
-    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key, newest,
-    publish, ready_key, ready_time,
+    ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key,
+    newest_sealed, publish, ready_key, ready_time,
 )
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
@@ -208,10 +208,7 @@ class InPlaceRound:
         """The newest generation another agent has published, else ours (:func:`newest`: one
         read when there is none); a record that does not verify (token jobs) is not there, so
         nothing a stranger writes moves anybody."""
-        def present(g: int) -> bool:
-            return self.sealer.open(gen_key(g), store.try_get(f"{self.prefix}/{gen_key(g)}")) is not None
-
-        return newest(present, self.gen)
+        return newest_sealed(self.sealer, lambda key: store.try_get(self.sealer.name(key)), self.gen)
 
     def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
-from ..inplace.protocol import Generation, Sealer, gen_key, newest
+from ..inplace.protocol import Generation, Sealer, gen_key, newest_sealed
 from ..rendezvous import RoundInfo
 from ..rendezvous.auth import Signer
 from ..rendezvous.sealed import Records, derive_key
@@ -146,8 +146,7 @@ class InPlaceHost:
             # The generation after the newest the kept workers could be in (records are
             # numbered without gaps from 0; see inplace.protocol.newest).
             server, sealer = self._server, self._sealer(records)
-            gen = newest(lambda g: sealer.open(gen_key(g), server.try_get(sealer.name(gen_key(g)))) is not None,
-                         0) + 1
+            gen = newest_sealed(sealer, lambda key: server.try_get(sealer.name(key)), 0) + 1
             return Setup(endpoint, self._prefix, gen, True)
         return Setup(endpoint, "", 0, False)
 

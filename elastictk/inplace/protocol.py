@@ -265,6 +265,12 @@ def is_finished(raw: bytes) -> bool:
         return False
 
 
+def newest_sealed(sealer: Sealer, read: Callable[[str], Optional[bytes]], known: int) -> int:
+    """:func:`newest` over the records ``read(key)`` returns (keys under the sealer's prefix),
+    a record that does not verify being absent."""
+    return newest(lambda g: sealer.open(gen_key(g), read(gen_key(g))) is not None, known)
+
+
 def publish(sealer: Sealer, read: Callable[[str], Optional[bytes]],
             cas: Callable[[str, Optional[bytes], bytes], Optional[bytes]], known: int,
             make: Callable[[int], Generation]) -> int:
@@ -273,10 +279,7 @@ def publish(sealer: Sealer, read: Callable[[str], Optional[bytes]],
     and ``cas(key, expected, desired)`` are the store's, under the sealer's prefix. When the
     workers' ``finished`` record won the number, that number is returned as it is: the job
     ended, and a replacement started for it exits at once."""
-    def present(g: int) -> bool:
-        return sealer.open(gen_key(g), read(gen_key(g))) is not None
-
-    g = newest(present, known) + 1
+    g = newest_sealed(sealer, read, known) + 1
     for _ in range(_CAS_TRIES):
         key = gen_key(g)
         won, current = sealer.claim(key, make(g).to_json(), lambda old, new: cas(key, old, new))

@@ -73,7 +73,8 @@ def test_a_clone_of_a_view_owns_its_connection_and_closing_it_closes_it(store: T
 def _blocked_get(server: TCPStore, key: str) -> tuple[threading.Thread, dict[str, object]]:
     """A plain torch client (a worker's) blocked in ``get`` on ``key``."""
     raw = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                        timeout=datetime.timedelta(seconds=1.5), use_libuv=True)
+                        timeout=datetime.timedelta(seconds=20), use_libuv=True)
+    raw.set_timeout(datetime.timedelta(seconds=1.5))  # connecting may take longer on a busy host
     out: dict[str, object] = {}
 
     def run() -> None:

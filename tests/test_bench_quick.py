@@ -161,3 +161,49 @@ def _proc(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+def _quick(name: str, tmp_path: Path, timeout: float) -> dict:
+    """``python -m bench NAME --quick``: exit 0, nothing in bench/results, no process or temp
+    file left; the benchmark's JSON."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "out.json"
+    before = _results_snapshot()
+    proc = _bench(name, "--quick", "--json", str(out), tmp=work, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())["benchmarks"][name]
+    assert _results_snapshot() == before
+    assert data["pids"], "the launchers it started are listed"
+    _, alive = psutil.wait_procs([p for p in map(_proc, data["pids"]) if p is not None], timeout=10)
+    assert not alive, f"benchmark left processes behind: {alive}"
+    assert list(work.iterdir()) == []
+    return data
+
+
+def test_quick_stragglers_names_the_slow_rank_and_no_one_in_the_control(tmp_path: Path) -> None:
+    data = _quick("stragglers", tmp_path, timeout=240)
+    [row] = data["rows"]
+    assert row["case"] == {"slowdown": "4x", "named": "1/1"}
+    assert 0 < row["elastictk"]["median"] < 6 * 0.5, "named within the watched windows"
+    assert row["elastictk"]["extra"]["slowdown"][0] >= 1.5
+    notes = " ".join(data["notes"])
+    assert "none (control): named nobody in 1 of 1 runs" in notes
+    assert "cost, 8 node(s): 8 sealed writes (one per node) and 8 reads" in notes
+
+
+def test_quick_spares_recovers_with_and_without_a_spare(tmp_path: Path) -> None:
+    data = _quick("spares", tmp_path, timeout=300)
+    [row] = data["rows"]
+    assert row["elastictk"]["extra"]["world_after"] == [2], "the spare brought the world back to 2"
+    assert row["elastictk"]["median"] > 0 and row["reference"]["median"] > 0
+    assert any("with a spare every rank of the 2-node job steps" in n for n in data["notes"])
+
+
+def test_quick_peer_run_compares_the_transport_with_raw_tcp(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = _bench("peer", "--quick", "--json", str(out), tmp=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["benchmarks"]["peer"]["rows"]
+    assert [r["reference"]["label"] for r in rows] == ["raw loopback TCP"]
+    assert rows[0]["elastictk"]["median"] > 0 and rows[0]["reference"]["median"] > 0

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from elastictk.metrics import AgentMetrics, WorkerStepsBlock
 from elastictk.testing import PrometheusNotInstalled, PrometheusServer
 from elastictk.metrics import worker as worker_mod
+from elastictk.metrics.recovery import NAMES as PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "contrib" / "grafana-dashboard.json"
@@ -38,6 +39,8 @@ def exported() -> tuple[set[str], set[str]]:
         m("round_joined", round=1, rank=0, world=2)
         m("restart", restart_count=1, delay_s=0)
         m("workers_started", attempt=1, restart_count=1, pids={0: 2})
+        m("recovery", path="restart-all", restart_count=1, total_ms=60.0, steps_redone=3,
+          phases_ms={phase: 10.0 for phase in PHASES})
         families = list(reg.collect())
         del writer
     family_names = {f.name + ("_total" if f.type == "counter" else "") for f in families}
@@ -73,8 +76,32 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
     variables = {v["name"] for v in dash["templating"]["list"]}
     assert {"datasource", "job"} <= variables
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for must in ("world size", "restarts", "goodput", "recovery time"):
+    for must in ("world size", "restarts", "goodput", "recovery time", "recovery phases", "steps redone"):
         assert must in titles
+
+
+def test_recovery_phases_panel_stacks_the_median_of_each_phase() -> None:
+    """The phase panel splits by ``phase`` and stacks, so its height is a typical recovery; every
+    phase it can show is one the agent observes, and the redone-steps panel reads the counter."""
+    dash = json.loads(DASHBOARD.read_text())
+    panels = {p["title"].lower(): p for p in dash["panels"]}
+    [phases] = [p for t, p in panels.items() if "recovery phases" in t]
+    [expr] = [t["expr"] for t in phases["targets"]]
+    assert "elastictk_recovery_phase_seconds_bucket" in expr and "histogram_quantile(0.5," in expr
+    assert re.search(r"sum by \([^)]*\bphase\b[^)]*\ble\b", expr), expr
+    assert "{{phase}}" in phases["targets"][0]["legendFormat"]
+    assert phases["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    [redone] = [p for t, p in panels.items() if "steps redone" in t]
+    assert any("elastictk_steps_redone_total" in t["expr"] for t in redone["targets"])
+    families, samples = exported()
+    assert {"elastictk_recovery_phase_seconds", "elastictk_steps_redone_total"} <= families
+    observed = set()
+    with WorkerStepsBlock(1) as block:  # the phase label values a real agent gives
+        reg = CollectorRegistry()
+        AgentMetrics(reg, job="j", steps=block)("recovery", phases_ms={p: 1.0 for p in PHASES})
+        for f in reg.collect():
+            observed |= {s.labels["phase"] for s in f.samples if "phase" in s.labels}
+    assert observed == set(PHASES) and {"detect", "rendezvous", "first_step"} <= observed
 
 
 def test_dashboard_and_docs_name_only_real_metrics() -> None:

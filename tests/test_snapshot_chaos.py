@@ -84,6 +84,8 @@ def test_the_bound_is_that_of_the_tier_that_survives_the_fault() -> None:
     assert creport.snapshot_bound("sigkill", ("disk",), 10) == 10
     assert creport.snapshot_bound("kill-agent", ("local", "disk"), 5) == 5  # memory died with it
     assert creport.snapshot_bound("kill-agent", ("local",), 5) is None
+    assert creport.snapshot_bound("sigkill", ("local",), 10, overlap=True) == 2  # a fault mid-copy
+    assert creport.snapshot_bound("kill-agent", ("local", "disk"), 5, overlap=True) == 6
 
 
 def _kill_agent_run(resumed_at: int) -> tuple[RunRecord, list[creport.FaultRow]]:

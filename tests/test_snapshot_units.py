@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elastictk.cli.args import parse_args
 from elastictk.cli.values import UsageError
 from elastictk.snapshot import codec
-from elastictk.snapshot.disk import Disk
+from elastictk.snapshot import dcp as dcp_tier
+from elastictk.snapshot.dcp import DcpDisk
 from elastictk.snapshot.local import Holder, Region, SnapshotTooBig
 from elastictk.snapshot.settings import SettingsError, parse_bytes
 from elastictk.snapshot.worker import newest_common
@@ -61,34 +64,74 @@ def test_a_snapshot_that_does_not_fit_is_refused_naming_the_sizes() -> None:
         r.close()
 
 
-def test_disk_keeps_the_two_newest_complete_steps_and_checks_parts(tmp_path: Path) -> None:
-    d = Disk(str(tmp_path), 0, 1)
+def _tree(step: int) -> dict:
+    return {"objects": {"m": {"w": torch.full((3, 2), float(step)), "b": torch.arange(step)},
+                        "opt": {"state": {0: {"buf": torch.ones(2) * step}},
+                                "param_groups": [{"lr": 0.1, "params": [0]}]}},
+            "values": {"step": step, "name": "x/y#1"}}
+
+
+def test_disk_keeps_the_two_newest_complete_steps_and_checks_files(tmp_path: Path) -> None:
+    d = DcpDisk(str(tmp_path), 0, 1)
     for step in (2, 4, 6):
-        assert d.write(step, memoryview(b"abc%d" % step), codec.checksum(b"abc%d" % step), None)
+        assert d.save(step, _tree(step), None)
     assert d.complete_steps() == [6, 4]
-    raw, why = d.read(6)
-    assert raw == b"abc6" and why == ""
-    part = tmp_path / "step-0000000006" / "rank-00000.part"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000004", "step-0000000006"]
+    assert d.verify(6) is None
+    back = d.load(6, None)
+    assert back["values"] == _tree(6)["values"]
+    assert back["objects"]["opt"]["state"].keys() == {0}  # int keys come back as int keys
+    assert back["objects"]["opt"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    assert torch.equal(back["objects"]["m"]["w"], _tree(6)["objects"]["m"]["w"])
+    part = tmp_path / "step-0000000006" / "__0_0.distcp"
     data = bytearray(part.read_bytes())
-    data[-1] ^= 1
+    data[len(data) // 2] ^= 1
     part.write_bytes(bytes(data))
-    assert d.read(6)[0] is None and "checksum" in d.read(6)[1]
-    assert Disk(str(tmp_path), 0, 2).complete_steps() == []  # another world size
+    assert "__0_0.distcp: checksum" in (d.verify(6) or "")
+    assert DcpDisk(str(tmp_path), 0, 2).complete_steps() == [6, 4]  # any world size reads them
+    assert DcpDisk(str(tmp_path), 0, 2).verify(6) is None  # of 2 ranks, rank 1 checks that file
+    assert "__0_0.distcp: checksum" in (DcpDisk(str(tmp_path), 1, 2).verify(6) or "")
 
 
-def test_a_step_missing_on_one_rank_is_not_complete(tmp_path: Path) -> None:
-    class Counter:
-        n = 0
+def test_a_step_without_its_marker_is_not_complete(tmp_path: Path) -> None:
+    d = DcpDisk(str(tmp_path), 0, 1)
+    assert d.save(3, _tree(3), None)
+    (tmp_path / "step-0000000003" / "COMPLETE").unlink()
+    assert d.complete_steps() == []
+    assert "COMPLETE is missing" in (d.verify(3) or "")
 
-        def add(self, key: str, v: int) -> int:
-            self.n += v
-            return self.n
 
-    store = Counter()
-    assert not Disk(str(tmp_path), 0, 2).write(5, memoryview(b"a"), 0, store)
-    assert Disk(str(tmp_path), 0, 2).complete_steps() == []
-    assert Disk(str(tmp_path), 1, 2).write(5, memoryview(b"b"), 0, store)
-    assert Disk(str(tmp_path), 0, 2).complete_steps() == [5]
+keys_ = st.one_of(st.text(alphabet="ab/#%0", max_size=3), st.integers(0, 3))
+trees = st.recursive(st.one_of(st.integers(), st.text(max_size=2), st.just("T")),
+                     lambda kids: st.one_of(st.lists(kids, max_size=3),
+                                            st.dictionaries(keys_, kids, max_size=3)), max_leaves=12)
+
+
+@given(trees)
+def test_flatten_round_trips_any_structure_with_unique_keys(tree: object) -> None:
+    def tensors(x: object) -> object:
+        if x == "T":
+            return torch.zeros(1)
+        if isinstance(x, dict):
+            return {k: tensors(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [tensors(v) for v in x]
+        return x
+
+    real = tensors(tree)
+    skeleton, flat = dcp_tier.flatten(real)
+    assert len(flat) == len(dcp_tier.keys(skeleton))  # one key per tensor, none shared
+    assert dcp_tier.unflatten(skeleton, flat) == real or _same(dcp_tier.unflatten(skeleton, flat), real)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
 
 
 def test_ranks_agree_on_the_newest_step_all_hold() -> None:
@@ -107,7 +150,9 @@ def test_flags(tmp_path: Path) -> None:
         ("local", "disk"), str(tmp_path), 5, 2 * 10**9)
     assert parse_args(["--snapshot-dir", "d", str(script)], environ={}).snapshot == ("disk",)
     assert parse_args([str(script)], environ={"ELASTICTK_SNAPSHOT": "local"}).snapshot == ("local",)
-    for bad, msg in ((["--snapshot", "peer"], "unknown tier 'peer'"),
+    assert parse_args(["--snapshot", "peer", str(script)], environ={}).snapshot == ("local", "peer")
+    for bad, msg in ((["--snapshot", "remote"], "unknown tier 'remote'"),
+                     (["--snapshot", "local,peer", "--snapshot-replicas", "0"], "at least 1"),
                      (["--snapshot", "disk"], "needs --snapshot-dir"),
                      (["--snapshot", "local", "--snapshot-memory", "lots"], "give bytes"),
                      (["--snapshot-dir", "d", "--snapshot-every", "0"], "at least 1")):

@@ -122,7 +122,7 @@ def test_no_straggler_without_a_slow_rank(tmp_path: Path) -> None:
 
 
 def test_bad_straggler_flags_are_one_line(tmp_path: Path) -> None:
-    for flags, needle in ((["--straggler-action", "exclude"], "not available yet"),
+    for flags, needle in ((["--straggler-action", "exclude", "--recovery", "in-place"], "--recovery"),
                           (["--straggler-action", "loud"], "--straggler-action"),
                           (["--straggler-threshold", "0.5"], "more than 1"),
                           (["--straggler-windows", "0"], "--straggler-windows")):

@@ -34,9 +34,12 @@ from ..metrics.kinds import Emit, EventKind
 from ..metrics.steps import WorkerStepsBlock
 from ..metrics.worker import ENV_COLLECTIVES, ENV_HOOKS, ENV_PATH
 from ..snapshot.local import Holder
+from ..snapshot.peertier import PeerTier
 from .address import local_address
 from .health import HealthWatch, check_settings, check_timeout, run_check
 from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
+from .excluded import ExclusionGate
+from .exclusion import ExclusionSettings
 from .inplace import InPlaceRound, open_round
 from .inplace_host import InPlaceHost, started_key
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
@@ -87,6 +90,7 @@ class AgentConfig:
     reform_timeout: float = 30.0  # in-place: longest wait for survivors to re-form
     standby: bool = False  # in-place: a replacement is the preload server's warmed standby
     snapshot_memory: int | None = None  # the local snapshot tier: bytes of memfd this agent owns
+    snapshot_replicas: int = 0  # the peer tier: other nodes holding each of this node's parts (0: off)
     # Whether run() returns only once its store-watching threads ended (each may sit up to a
     # heartbeat interval in a store wait). Needed where the process goes on or exits normally:
     # finalizing Python under a thread inside a c10d call aborts it. elastictk-run ends with
@@ -100,6 +104,7 @@ class AgentConfig:
     health_check: str | None = None
     health_interval: float = 60.0
     stragglers: StragglerSettings | None = None  # --straggler-*: name the rank the others wait for
+    exclusion: ExclusionSettings | None = None  # --exclude-after/-cooldown: bad hosts out (excluded.py)
 
     def __post_init__(self) -> None:
         self.recovery = Recovery(self.recovery)  # ValueError names a value that is neither
@@ -151,17 +156,22 @@ class ElasticAgent:
         self._health: HealthWatch | None = None  # --health-check while a round runs
         self._recovery = RecoveryWatch(self._emit, None)  # given the steps block in run()
         self._replaced_at: float | None = None  # in place: when the failures being replaced exited
+        self._peer: PeerTier | None = None  # the peer snapshot tier (run() opens it)
+        self._exclusion = ExclusionGate(config.exclusion, self._emit, self._wake, config.rdzv.min_nodes)
 
     # -- public -----------------------------------------------------------------------------
     def run(self) -> AgentResult:
         cfg = self.config
         addr = cfg.local_addr or local_address(self._store_endpoint)
-        meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role}
+        # The local snapshot tier: memory that outlives the workers and dies with this agent.
+        snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
+        self._peer = (PeerTier(snapshots, addr, cfg.rdzv.token, cfg.rdzv.job_id, cfg.snapshot_replicas,
+                               snapshots.memory) if snapshots is not None and cfg.snapshot_replicas else None)
+        meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role,
+                **(self._peer.meta() if self._peer is not None else {})}
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
         self.node_id = self.handler.node_id
         self.handler.on_spare = lambda n, world: self._emit(EventKind.SPARE_WAITING, round=n, world=world)
-        # The local snapshot tier: memory that outlives the workers and dies with this agent.
-        snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
         own_steps = self._steps_block()
         self._recovery = RecoveryWatch(self._emit, self._steps)
         self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
@@ -176,7 +186,8 @@ class ElasticAgent:
         base_env = {**cfg.spec.env, **steps_env(own_steps, cfg.spec.env),
                     **({ENV_COLLECTIVES: "1"} if cfg.stragglers is not None and cfg.stragglers.on else {})}
         spec = replace(cfg.spec, env={**self.watchdog.worker_env(base_env),
-                                      **(snapshots.env() if snapshots is not None else {})})
+                                      **(snapshots.env() if snapshots is not None else {}),
+                                      **(self._peer.env() if self._peer is not None else {})})
         self.group = WorkerGroup(spec, cfg.log_dir, preload_server=self._preload_server)
         self._install_signals()
         try:
@@ -199,6 +210,8 @@ class ElasticAgent:
             self.watchdog.close()
             if own_steps is not None:
                 own_steps.close()
+            if self._peer is not None:
+                self._peer.close()
             if snapshots is not None:
                 snapshots.close()
             # Watch threads were stopped without waiting (a failure must not wait for them);
@@ -230,12 +243,16 @@ class ElasticAgent:
             Outcome.SIGNAL: lambda _: self._signalled(), Outcome.MEMBERSHIP: self._on_membership,
             Outcome.SUCCEEDED: self._on_succeeded, Outcome.LOCAL_FAILURE: self._on_failure,
             Outcome.PEER_FAILURE: self._on_failure, Outcome.INPLACE_FALLBACK: self._on_failure,
-            Outcome.UNHEALTHY: self._on_failure,
+            Outcome.UNHEALTHY: self._on_failure, Outcome.EXCLUDED: self._on_failure,
         }
         self._ran = False  # workers were started at least once
         while True:
             if self._signal in TERMINATING:
                 return self._signalled()
+            assert self.handler is not None and self.group is not None
+            if self._exclusion.hold(self.handler, self.group, lambda: self._stop_reason() is not None):
+                self.node_id = self.handler.node_id  # out for the cooldown; rejoins under a new id
+                continue
             kept_out = self._health_gate()
             if kept_out is not None:
                 return kept_out
@@ -252,6 +269,8 @@ class ElasticAgent:
             result = steps[rnd.outcome](rnd)  # None: on to the next round
             if result is not None:
                 return result
+            self._exclusion.after_round(rnd.outcome, self.handler.node_id, rnd.noticed or time.monotonic(),
+                                        rnd.coord.records, self._health.failed if self._health else None)
 
     def _health_gate(self) -> AgentResult | None:
         """``--health-check``: None once the check passes; while it fails this node stays out
@@ -327,7 +346,7 @@ class ElasticAgent:
                 self._start_workers(rnd, addr, keep_asked, previous)
                 self._ran = True
                 stragglers = watch_round(cfg.stragglers, self._steps, self._assignment_now.base_global_rank,
-                                         coord.records, handler.node_id, info, self._emit)
+                                         coord.records, handler.node_id, info, self._emit, self._exclusion)
                 rnd.outcome, rnd.failed = self._monitor(coord, rnd.watch)
                 rnd.noticed = time.monotonic()
             except StartInterrupted:  # a terminating signal came while the workers started
@@ -358,10 +377,12 @@ class ElasticAgent:
             assert self._inplace is not None
             self._emit(EventKind.WORKERS_KEPT, generation=self._inplace.gen, pids=group.pids(),
                        world_size=assignment.global_world_size)
+            self._peer_round(rnd.info, prefetch=False)
             return
         if group.running:  # kept, but the round starts afresh (its host is gone)
             group.stop()
             self._emit(EventKind.WORKERS_STOPPED, reason="inplace_host_lost")
+        self._peer_round(rnd.info, prefetch=True)
         assert self.watchdog is not None
         self.watchdog.reset()  # before the start: a worker may claim its region at once
         group.start(self.attempts, assignment, extra)
@@ -373,6 +394,13 @@ class ElasticAgent:
         self._recovery.started(self._attempt_pids)
         if self._inplace is not None and self._inplace.pending is not None:  # joined in place
             rnd.coord.records.write(started_key(self.handler.node_id), {"node_id": self.handler.node_id})
+
+    def _peer_round(self, info: RoundInfo, prefetch: bool) -> None:
+        """The peer snapshot tier follows the round: its ring, the replicas nobody can use any
+        more, and (workers about to start) this node's ranks' parts that only peers hold."""
+        if self._peer is not None and self.handler is not None and self._assignment_now is not None:
+            a = self._assignment_now
+            self._peer.round(info.members, a.global_world_size, self.handler.node_id, a.base_global_rank, prefetch)
 
     def _on_membership(self, rnd: _Round) -> None:
         assert self.group is not None
@@ -532,6 +560,8 @@ class ElasticAgent:
                 return Outcome.PEER_FAILURE, []
             if self._health is not None and self._health.failed is not None:
                 return Outcome.UNHEALTHY, []
+            if self._exclusion.flagged.is_set():
+                return Outcome.EXCLUDED, []
             if watch.changed.is_set():
                 return Outcome.MEMBERSHIP, []
             if not group.running:
@@ -555,6 +585,10 @@ class ElasticAgent:
             if won:
                 return coord.decide(self.config.policy, cause)
             return coord.await_decision(self.config.decision_timeout)
+        if outcome == Outcome.EXCLUDED:  # the leader excluded this node: it leaves, as a failure
+            decision = self._exclusion.leave_round(coord, self.group, self.config.policy, self.config.decision_timeout)
+            self._recovery.stopped()
+            return decision
         if outcome == Outcome.INPLACE_FALLBACK:
             # In-place recovery did not come together: restart everything, as restart-all
             # would have, on the budget already charged for this failure.

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 from ..cli.config import LaunchConfig
 from ..rendezvous import RendezvousConfig
-from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_TIERS, default_memory
+from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_OVERLAP, ENV_TIERS, default_memory
 from ..supervisor.forkserver import PreloadServer
 from ..supervisor.spec import WorkerSpec
 from .outcome import Recovery
 from .policy import Backoff, RestartPolicy
+from .exclusion import ExclusionSettings
 from .stragglers import StragglerSettings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,6 +67,8 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
         health_check=config.health_check, health_interval=config.health_interval,
         stragglers=StragglerSettings(config.straggler_action, config.straggler_threshold,
                                      config.straggler_windows, config.straggler_interval),
+        exclusion=ExclusionSettings(config.exclude_after, config.exclude_cooldown,
+                                    stragglers=config.straggler_action == "exclude"),
         log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
         on_event=telemetry.on_event if telemetry is not None else None,
         collective_timeout=config.collective_timeout,
@@ -73,6 +76,7 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
         steps=telemetry.steps if telemetry is not None else None,
         recovery=Recovery(config.recovery), standby=config.standby,
         snapshot_memory=(config.snapshot_memory or default_memory()) if "local" in config.snapshot else None,
+        snapshot_replicas=config.snapshot_replicas if "peer" in config.snapshot else 0,
     )
     agent = ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint,
                          preload_server=preload_server)
@@ -87,6 +91,8 @@ def snapshot_env(config: LaunchConfig) -> dict[str, str]:
     env = {ENV_TIERS: ",".join(config.snapshot), ENV_EVERY: str(config.snapshot_every)}
     if config.snapshot_dir:
         env[ENV_DIR] = config.snapshot_dir
+    if config.snapshot_overlap:
+        env[ENV_OVERLAP] = "1"
     return env
 
 

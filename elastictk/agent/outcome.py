@@ -31,6 +31,7 @@ class Outcome(enum.Enum):
     SIGNAL = enum.auto()  # the agent was told to stop
     INPLACE_FALLBACK = enum.auto()  # in-place recovery failed: restart everything
     UNHEALTHY = enum.auto()  # --health-check failed in the round: this node leaves as failed
+    EXCLUDED = enum.auto()  # the leader excluded this node (a straggler): it leaves as failed
 
 
 class ResultState(_Text):

@@ -20,6 +20,10 @@ and, per step, its *own* time: the step's duration less that blocked time
   microsecond noise in a loop that does almost nothing is no straggler). Past the
   threshold for ``windows`` windows in a row, it is flagged, once per streak: a ``straggler``
   event, a log line naming rank, host and how much slower, the gauge.
+- Under ``--straggler-action exclude`` the leader also writes the sealed exclusion record of
+  the flagged rank's node (``exclude/<node_id>``, :mod:`.exclusion`), unless the others would
+  be fewer than ``--nnodes`` MIN; every node reads its own record once per interval, after
+  publishing, and the agent takes it out for the cooldown (:mod:`.excluded`).
 
 Why own time per step is averaged over the window, not a median over its steps: a pause (a
 ``slow:<s>`` fault, a stalled read) costs the group exactly its length, whichever step it lands
@@ -37,14 +41,15 @@ import socket
 import statistics
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..metrics.kinds import Emit, EventKind
 from ..metrics.layout import SlotSnapshot
 from ..metrics.steps import WorkerStepsBlock
-from ..rendezvous import RoundInfo
+from ..rendezvous import RendezvousStateError, RoundInfo
 from ..rendezvous.sealed import Records
 from ..store import StoreError
+from . import exclusion
 
 log = logging.getLogger("elastictk.agent")
 
@@ -154,8 +159,6 @@ def check_settings(action: str, threshold: float, windows: int, interval: float)
     """ValueError naming the setting for a value that cannot work."""
     if action not in ACTIONS:
         raise ValueError(f"--straggler-action {action!r}: use one of {', '.join(ACTIONS)}")
-    if action == "exclude":
-        raise ValueError("--straggler-action exclude is not available yet; use report")
     if not threshold > 1:
         raise ValueError(f"--straggler-threshold {threshold!r}: must be more than 1 (times slower "
                          "than the others' median), e.g. 1.5")
@@ -193,12 +196,15 @@ class StragglerWatch:
 
     def __init__(self, block: WorkerStepsBlock, ranks: Mapping[int, int], records: Records, *,
                  node_id: str, members: Sequence[str], leader: bool, interval: float,
-                 threshold: float, windows: int, emit: Emit | Callable[..., None]) -> None:
+                 threshold: float, windows: int, emit: Emit | Callable[..., None],
+                 exclude: "Exclude | None" = None) -> None:
         self.records, self.node_id, self.members = records, node_id, tuple(members)
         self.leader, self.interval, self.threshold = leader, float(interval), float(threshold)
         self.host = socket.gethostname()
         self.flagger = Flagger(windows)
         self._emit = emit
+        self.exclude = exclude
+        self._excluded: set[str] = set()  # nodes this leader wrote a record for in the round
         self._local = _Local(block, ranks)
         self._seq = 0
         self._seen: dict[str, int] = {}
@@ -213,6 +219,8 @@ class StragglerWatch:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
+                if self.exclude is not None:
+                    self._read_own()
                 if self.leader:
                     self._score()
             except StoreError as e:  # the round is ending; the agent sees the store itself
@@ -220,6 +228,18 @@ class StragglerWatch:
             except Exception:  # noqa: BLE001 - never let a metric stop training
                 log.warning("straggler watch failed", exc_info=True)
                 return
+
+    def _read_own(self) -> None:
+        """This node's exclusion record, if the leader wrote one; garbage (no token) is
+        ignored with a warning, never a reason to stop watching."""
+        assert self.exclude is not None
+        name = exclusion.key(self.node_id)
+        try:
+            body = self.records.read(name)
+        except RendezvousStateError as e:
+            self.records.ignored(name, str(e))
+            return
+        self.exclude.on_record(self.node_id, body)
 
     def _publish(self) -> None:
         self._seq += 1
@@ -248,18 +268,49 @@ class StragglerWatch:
         self._emit(EventKind.STRAGGLER, rank=s.rank, host=s.host, straggler_node=s.node,
                    slowdown=round(s.slowdown, 3), own_s=round(s.per_step, 6), median_s=round(s.median, 6),
                    share=round(s.share, 4), windows=self.flagger.windows, window_s=self.interval)
+        if self.exclude is not None and s.node and s.node not in self._excluded:
+            self._exclude(s)
+
+    def _exclude(self, s: Score) -> None:
+        """Write the flagged node's sealed exclusion record (the node reads it and leaves)."""
+        assert self.exclude is not None
+        if len(self.members) - 1 < self.exclude.min_nodes:
+            log.warning("straggler node %s is not excluded: the others (%d) would be fewer than --nnodes "
+                        "MIN %d", s.node, len(self.members) - 1, self.exclude.min_nodes)
+            return
+        if s.node not in self.members:
+            return  # a record naming a node outside the round: nothing to exclude
+        self._excluded.add(s.node)
+        detail = (f"rank {s.rank} on host {s.host or '?'} was {s.slowdown:.1f}x slower than the others' "
+                  f"median for {self.flagger.windows} windows of {self.interval:g}s (--straggler-action exclude)")
+        self.records.write(exclusion.key(s.node), exclusion.Exclusion(
+            s.node, "straggler", detail, self.exclude.cooldown, by=self.node_id).to_json())
+
+
+class Exclude(Protocol):
+    """What the watch needs of the agent's exclusions (``excluded.ExclusionGate``)."""
+
+    min_nodes: int
+
+    @property
+    def cooldown(self) -> float: ...
+
+    def on_record(self, node_id: str, body: dict[str, Any] | None) -> bool: ...
 
 
 def watch_round(settings: StragglerSettings | None, block: WorkerStepsBlock | None, base_rank: int,
-                records: Records, node_id: str, info: RoundInfo, emit: Emit) -> StragglerWatch | None:
+                records: Records, node_id: str, info: RoundInfo, emit: Emit,
+                exclude: Exclude | None = None) -> StragglerWatch | None:
     """The watch for one round (None when off): this node's local rank ``i`` is global rank
-    ``base_rank + i``; the leader is group rank 0."""
+    ``base_rank + i``; the leader is group rank 0. ``exclude`` is used under
+    ``--straggler-action exclude``."""
     if settings is None or not settings.on or block is None:
         return None
     return StragglerWatch(block, {i: base_rank + i for i in range(block.n_workers)}, records,
                           node_id=node_id, members=[m.node_id for m in info.members],
                           leader=info.rank == 0, interval=settings.interval,
-                          threshold=settings.threshold, windows=settings.windows, emit=emit)
+                          threshold=settings.threshold, windows=settings.windows, emit=emit,
+                          exclude=exclude if settings.action == "exclude" else None)
 
 
 def parse_ranks(raw: Any, host: str, node: str) -> list[RankWindow]:
@@ -275,5 +326,5 @@ def parse_ranks(raw: Any, host: str, node: str) -> list[RankWindow]:
     return out
 
 
-__all__ = ["ACTIONS", "Flagger", "RankWindow", "Score", "StragglerSettings", "StragglerWatch",
+__all__ = ["ACTIONS", "Exclude", "Flagger", "RankWindow", "Score", "StragglerSettings", "StragglerWatch",
            "check_settings", "parse_ranks", "score_window", "watch_round"]

@@ -290,7 +290,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     checks = report.check(plan, rec, rows, max_restarts=config.max_restarts, ckpt_every=ns.ckpt_every,
                           expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node),
                           allow_unfired=ns.allow_unfired, snapshot=tuple(config.snapshot),
-                          snapshot_every=config.snapshot_every)
+                          snapshot_every=config.snapshot_every, snapshot_overlap=config.snapshot_overlap)
     tot = report.totals(rec, rows)
     print(report.render(rows, tot, checks))
     data = report.to_json(plan, rec, rows, checks, launcher, command, multi)

@@ -100,13 +100,15 @@ def _lost(rec: RunRecord, detected: float, running: float) -> Optional[int]:
     return max(0, max(before) - (min(after) - 1)) if before and after else None
 
 
-def snapshot_bound(kind: str, tiers: tuple[str, ...], every: int) -> Optional[int]:
+def snapshot_bound(kind: str, tiers: tuple[str, ...], every: int, overlap: bool = False) -> Optional[int]:
     """The most steps a fault may cost a job committing every step with these snapshot tiers:
     one (the step in flight) while the local tier survives it, ``every`` when only the disk
-    tier does (a killed agent takes its node's memory), None when no tier survives it."""
+    tier does (a killed agent takes its node's memory), None when no tier survives it.
+    ``overlap`` (pipelined commits): one more, for a fault while the last commit is copied."""
+    extra = 1 if overlap else 0
     if "local" in tiers and kind != "kill-agent":
-        return 1
-    return every if "disk" in tiers else None
+        return 1 + extra
+    return every + extra if "disk" in tiers else None
 
 
 def restarts_of(rec: RunRecord) -> int:
@@ -227,7 +229,8 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
 def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts: int,
           ckpt_every: Optional[int] = None, expect_checksum: Optional[str] = None,
           shape: Optional[Shape] = None, nproc: int = 1, allow_unfired: bool = False,
-          snapshot: tuple[str, ...] = (), snapshot_every: int = 10) -> list[Check]:
+          snapshot: tuple[str, ...] = (), snapshot_every: int = 10,
+          snapshot_overlap: bool = False) -> list[Check]:
     """The invariants; each names what it found when it fails. The first: every planned fault
     fired (``allow_unfired`` keeps the check but lets it pass; the reasons are still named).
     ``snapshot``/``snapshot_every``: the job's ``--snapshot`` tiers and ``--snapshot-every``."""
@@ -236,17 +239,17 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
                                                       ckpt_every=ckpt_every, expect_checksum=expect_checksum,
                                                       shape=shape, nproc=nproc)
     if snapshot:
-        out.append(_snapshot_check(rows, snapshot, snapshot_every))
+        out.append(_snapshot_check(rows, snapshot, snapshot_every, snapshot_overlap))
     return out
 
 
-def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int) -> Check:
+def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int, overlap: bool = False) -> Check:
     """Steps lost per fault <= the interval of the snapshot tier that survives the fault."""
     over = []
     for r in rows:
         if r.lost_steps is None:
             continue
-        bound = snapshot_bound(r.kind, tiers, every)
+        bound = snapshot_bound(r.kind, tiers, every, overlap)
         if bound is None:
             over.append(f"#{r.index} {r.kind} lost {r.lost_steps} step(s): no tier of --snapshot "
                         f"{','.join(tiers)} survives it (the local tier dies with its agent; add disk)")
@@ -254,9 +257,10 @@ def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int) ->
             over.append(f"#{r.index} {r.kind} lost {r.lost_steps} step(s), more than {bound}: "
                         "was the snapshot restored (state.restore())?")
     worst = max((r.lost_steps or 0 for r in rows), default=0)
-    bounds = "1 step (local memory)" if "local" in tiers else ""
+    extra = 1 if overlap else 0
+    bounds = f"{1 + extra} step(s) (local memory{', pipelined' if overlap else ''})" if "local" in tiers else ""
     if "disk" in tiers:
-        bounds += (", " if bounds else "") + f"{every} steps (disk{', a lost agent' if bounds else ''})"
+        bounds += (", " if bounds else "") + f"{every + extra} steps (disk{', a lost agent' if bounds else ''})"
     return Check("steps lost per fault <= the snapshot interval", not over,
                  "; ".join(over) or f"at most {worst} step(s) lost, interval {bounds}")
 

@@ -121,13 +121,18 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "(default none)"),
     (("--health-interval",), False, "seconds between health checks (default 60)"),
     (("--straggler-action",), False,
-     "off, report (name a rank the others wait for: event, gauge, log line) or exclude (not "
-     "available yet) (default off)"),
+     "off, report (name a rank the others wait for: event, gauge, log line) or exclude (report, "
+     "and take its node out of the job for --exclude-cooldown) (default off)"),
     (("--straggler-threshold",), False,
      "times slower than the other ranks' median own time per step that counts (default 1.5)"),
     (("--straggler-windows",), False,
      "windows in a row past the threshold before a rank is named (default 3)"),
     (("--straggler-interval",), False, "seconds per straggler window (default 5)"),
+    (("--exclude-after",), False,
+     "R/T: a node whose workers fail R times within T seconds is taken out of the job for "
+     "--exclude-cooldown (so is one whose --health-check fails in a round) (default off)"),
+    (("--exclude-cooldown",), False,
+     "seconds an excluded node stays out before it rejoins (default 300)"),
     (("--max-no-progress-restarts",), False,
      "K: end the job after K restarts in a row after which no rank completed a step (a crash "
      "loop), whatever --max-restarts has left (default 0: off)"),
@@ -137,11 +142,17 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "shared secret nodes must present to join (prefer env ELASTICTK_RDZV_TOKEN: argv is public)"),
     (("--event-log",), False, "append JSON-lines events to this file"),
     (("--snapshot",), False,
-     "snapshot tiers of elastictk.State commits: local (shared memory owned by this agent), "
-     "disk, or local,disk (default none)"),
+     "snapshot tiers of elastictk.State commits, comma separated: local (shared memory owned by "
+     "this agent), peer (also in other nodes' agents; implies local), disk (default none)"),
+    (("--snapshot-replicas",), False,
+     "peer tier: how many other nodes hold each node's parts (default 1)"),
     (("--snapshot-dir",), False,
      "directory of the disk tier, seen by every node (alone: --snapshot disk)"),
     (("--snapshot-every",), False, "write the disk tier every N commits (default 10)"),
+    (("--snapshot-overlap",), False,
+     "1: pipelined commits, the tensors an optimizer owns are copied while the next step's "
+     "forward and backward run (its step waits for the copy); 0: copied in commit() "
+     "(default 0)"),
     (("--snapshot-memory",), False,
      "bytes of shared memory the local tier may use on this node, all local ranks, e.g. 4G "
      "(default a quarter of the host's memory; used only as written)"),

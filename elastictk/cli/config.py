@@ -103,20 +103,24 @@ class LaunchConfig:
     max_no_progress_restarts: int = 0  # 0: off (docs/launcher.md "Crash loops")
     health_check: str | None = None  # --health-check (docs/launcher.md "Health checks")
     health_interval: float = 60.0
-    straggler_action: str = "off"  # --straggler-action off|report (docs/launcher.md "Stragglers")
+    straggler_action: str = "off"  # --straggler-action off|report|exclude (docs/launcher.md "Stragglers")
     straggler_threshold: float = 1.5
     straggler_windows: int = 3
     straggler_interval: float = 5.0
+    exclude_after: tuple[int, float] | None = None  # --exclude-after R/T (docs/launcher.md "Bad hosts")
+    exclude_cooldown: float = 300.0
     rdzv_token: str | None = field(default=None, repr=False)
     # Every member of an etcd cluster (``--rdzv-endpoint a:2379,b:2379,c:2379``), in order;
     # ``rdzv_endpoint`` is the first. Empty for the other backends.
     rdzv_endpoints: tuple[Endpoint, ...] = ()
     event_log: str | None = None
-    # Snapshot tiers of elastictk.State (docs/snapshots.md): "local" and/or "disk".
+    # Snapshot tiers of elastictk.State (docs/snapshots.md): "local", "peer", "disk".
     snapshot: tuple[str, ...] = ()
     snapshot_dir: str | None = None
     snapshot_every: int = 10
     snapshot_memory: int | None = None  # None: a quarter of this host's memory
+    snapshot_overlap: bool = False  # pipelined commits (elastictk/snapshot/overlap.py)
+    snapshot_replicas: int = 1  # the peer tier: other nodes holding each node's parts
     warnings: tuple[str, ...] = ()
 
     @property
@@ -235,7 +239,9 @@ def _snapshot_problems(c: LaunchConfig) -> list[str]:
     out: list[str] = []
     bad = [t for t in c.snapshot if t not in SNAPSHOT_TIERS]
     if bad:
-        out.append(f"snapshot tier {bad[0]!r}: use local, disk or local,disk")
+        out.append(f"snapshot tier {bad[0]!r}: use local, peer, disk or a comma list")
+    if c.snapshot_replicas < 1:
+        out.append(f"snapshot replicas {c.snapshot_replicas}: at least 1 other node")
     if "disk" in c.snapshot and not c.snapshot_dir:
         out.append("--snapshot disk needs --snapshot-dir DIR (a directory every node sees)")
     if c.snapshot_every < 1:

@@ -15,12 +15,12 @@ import sys
 from typing import Any, Callable, Mapping
 
 from .config import DEFAULT_GRACE_PERIOD, LaunchConfig, validate
-from ..snapshot.settings import SettingsError, parse_bytes, parse_every, parse_tiers
+from ..snapshot.settings import SettingsError, parse_bytes, parse_every, parse_replicas, parse_tiers
 from . import logs_specs
 from .nodes import Flags, host, resolve_rendezvous
 from .values import (
     DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES, START_METHODS, EnvText, Std,
-    UsageError, expand_std, parse_choice, parse_filters, parse_int, parse_intensity, parse_port,
+    UsageError, expand_std, parse_bool, parse_choice, parse_filters, parse_int, parse_intensity, parse_port,
     parse_ranks, parse_seconds, parse_signals, parse_std,
 )
 
@@ -41,7 +41,7 @@ def config_from_namespace(
     _refuse_unsupported(c)
     rdzv = resolve_rendezvous(c)
     parts = [rdzv.fields(), _entrypoint(c), _output(c, rdzv.nproc), _process(c), _restarts(c),
-             _metrics(c), _restart_policy(c), _snapshots(c), _stragglers(c)]
+             _metrics(c), _restart_policy(c), _snapshots(c), _stragglers(c), _exclusion(c)]
     config = LaunchConfig(
         **{k: v for part in parts for k, v in part.items()},
         log_dir=ns.log_dir or None, event_log=ns.event_log or None,
@@ -204,8 +204,6 @@ def _stragglers(c: Flags) -> dict[str, Any]:
     ns = c.ns
     where = c.at("straggler_action", "--straggler-action")
     action = parse_choice(ns.straggler_action or "off", where, ("off", "report", "exclude"))
-    if action == "exclude":
-        raise UsageError(f"{where} exclude: not available yet; use --straggler-action report")
     threshold = 1.5
     if ns.straggler_threshold is not None:
         at = c.at("straggler_threshold", "--straggler-threshold")
@@ -224,6 +222,33 @@ def _stragglers(c: Flags) -> dict[str, Any]:
             ns.straggler_interval, c.at("straggler_interval", "--straggler-interval"),
             maximum=(3600.0, "(an hour); pass e.g. --straggler-interval 5"))),
     )
+
+
+def _exclusion(c: Flags) -> dict[str, Any]:
+    """``--exclude-after R/T`` and ``--exclude-cooldown S`` (docs/launcher.md "Bad hosts")."""
+    ns = c.ns
+    after = None
+    if ns.exclude_after is not None:
+        where = c.at("exclude_after", "--exclude-after")
+        if "/" not in ns.exclude_after:
+            raise UsageError(f"{where}: write R/T, e.g. 3/60 to exclude a node whose workers fail 3 times "
+                             "within 60 seconds")
+        r, t = parse_intensity(ns.exclude_after, where)
+        if r < 1 or t > 30 * 86400:
+            raise UsageError(f"{where}: need R >= 1 failures and T at most 2592000 "
+                             "seconds (30 days), e.g. 3/60")
+        after = (r, t)
+    cooldown = (300.0 if ns.exclude_cooldown is None else parse_seconds(
+        ns.exclude_cooldown, c.at("exclude_cooldown", "--exclude-cooldown"),
+        maximum=(7 * 86400.0, "(a week); pass e.g. --exclude-cooldown 300")))
+    stragglers = ns.straggler_action == "exclude"
+    if (after is not None or stragglers) and (ns.recovery or "restart-all") == "in-place":
+        raise UsageError("--exclude-after and --straggler-action exclude work with --recovery restart-all "
+                         "only (in place, a failed worker is replaced, not counted); drop one of them")
+    if ns.exclude_cooldown is not None and after is None and not stragglers:
+        c.warnings.append("--exclude-cooldown has no effect without --exclude-after R/T or "
+                          "--straggler-action exclude")
+    return dict(exclude_after=after, exclude_cooldown=cooldown)
 
 
 def _health_check(raw: str | None, where: str) -> str | None:
@@ -247,6 +272,10 @@ def _snapshots(c: Flags) -> dict[str, Any]:
                  else parse_every(ns.snapshot_every, c.at("snapshot_every", "--snapshot-every")))
         memory = (None if ns.snapshot_memory is None
                   else parse_bytes(ns.snapshot_memory, c.at("snapshot_memory", "--snapshot-memory")))
+        overlap = (ns.snapshot_overlap is not None
+                   and parse_bool(ns.snapshot_overlap, c.at("snapshot_overlap", "--snapshot-overlap")))
+        replicas = (1 if ns.snapshot_replicas is None
+                    else parse_replicas(ns.snapshot_replicas, c.at("snapshot_replicas", "--snapshot-replicas")))
     except SettingsError as e:
         raise UsageError(str(e)) from None
     if ns.snapshot_every is not None and "disk" not in tiers:
@@ -254,9 +283,15 @@ def _snapshots(c: Flags) -> dict[str, Any]:
                           "--snapshot-dir DIR")
     if memory is not None and "local" not in tiers:
         c.warnings.append("--snapshot-memory bounds the local tier, which is off: add --snapshot local")
+    if ns.snapshot_replicas is not None and "peer" not in tiers:
+        c.warnings.append("--snapshot-replicas applies to the peer tier, which is off: add --snapshot local,peer")
+    if overlap and not tiers:
+        c.warnings.append("--snapshot-overlap pipelines snapshot commits, and no tier is on: add "
+                          "--snapshot local")
     if directory:
         directory = os.path.abspath(directory)
-    return dict(snapshot=tiers, snapshot_dir=directory, snapshot_every=every, snapshot_memory=memory)
+    return dict(snapshot=tiers, snapshot_dir=directory, snapshot_every=every, snapshot_memory=memory,
+                snapshot_overlap=overlap, snapshot_replicas=replicas)
 
 
 def _grace_period(

@@ -61,17 +61,19 @@ class State:
             ...; state.step += 1
             state.commit()
 
-    ``snapshot`` (``"local"``, ``"disk"``, ``"local,disk"``), ``snapshot_dir`` and
-    ``snapshot_every`` override the launcher's settings (``ELASTICTK_SNAPSHOT*``); a
+    ``snapshot`` (``"local"``, ``"disk"``, ``"local,disk"``), ``snapshot_dir``,
+    ``snapshot_every`` and ``snapshot_overlap`` (pipelined commits: the optimizer's tensors are
+    copied during the next step) override the launcher's settings (``ELASTICTK_SNAPSHOT*``); a
     ``snapshot_dir`` alone turns the disk tier on (how a script gets snapshots under torchrun).
     """
 
     _RESERVED = frozenset({"commit", "rollback", "committed", "committed_step", "to_bytes",
                            "load_bytes", "names", "restore", "flush", "snapshot", "snapshot_dir",
-                           "snapshot_every"})
+                           "snapshot_every", "snapshot_overlap"})
 
     def __init__(self, *, snapshot: Optional[str] = None, snapshot_dir: Optional[str] = None,
-                 snapshot_every: Optional[int] = None, **entries: Any) -> None:
+                 snapshot_every: Optional[int] = None, snapshot_overlap: Optional[bool] = None,
+                 **entries: Any) -> None:
         objects: dict[str, Stateful] = {}
         values: dict[str, Any] = {}
         for name, value in entries.items():
@@ -89,7 +91,7 @@ class State:
         object.__setattr__(self, "_snap", None)
         try:
             settings = Settings.resolve(os.environ, tiers=snapshot, directory=snapshot_dir,
-                                        every=snapshot_every)
+                                        every=snapshot_every, overlap=snapshot_overlap)
         except SettingsError as e:
             raise StateError(str(e)) from None
         object.__setattr__(self, "_snap_settings", settings)
@@ -148,8 +150,14 @@ class State:
             return
         values = copy.deepcopy(self._values)
         step = int(values.get("step", self._commits))
+        guard: frozenset[int] = frozenset()
+        if snap.overlap:  # the optimizers wait for the copy of what they change (snapshot/overlap.py)
+            from ..snapshot.overlap import guarded
+
+            snap.gate.attach(self._objects.values())
+            guard = frozenset(guarded(self._objects.values()))
         snap.commit({"objects": {n: o.state_dict() for n, o in self._objects.items()},
-                     "values": values}, step)
+                     "values": values}, step, guard)
         object.__setattr__(self, "_commit", _LAZY)
         object.__setattr__(self, "_commit_values", values)
 
@@ -166,7 +174,8 @@ class State:
         snap = self._snapshotter()
         if snap is None:
             return None
-        got = snap.restore()
+        got = snap.restore(lambda: {"objects": {n: o.state_dict() for n, o in self._objects.items()},
+                                    "values": self._values})  # where a DTensor goes, now
         if got is None:
             return None
         from ..snapshot.worker import clone_tree

@@ -46,6 +46,7 @@ IGNORED = frozenset({
     EventKind.INPLACE_RESIZED, EventKind.INPLACE_FALLBACK, EventKind.EXIT_BARRIER_LEFT,
     EventKind.HEALTH_CHECK_FAILED,  # counted in events_total{kind=}; the node is not in a round
     EventKind.SPARE_WAITING,  # counted in events_total{kind=}; a spare is not in a round
+    EventKind.NODE_EXCLUDED,  # counted in events_total{kind=}; workers_stopped comes with it
 })
 RENDEZVOUS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

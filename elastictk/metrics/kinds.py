@@ -22,6 +22,7 @@ class EventKind(str, enum.Enum):
     MEMBERSHIP_CHANGED = "membership_changed"  # a node joined or was lost: the round is over
     HEALTH_CHECK_FAILED = "health_check_failed"  # --health-check exited non-zero: this node stays out
     SPARE_WAITING = "spare_waiting"  # the round is full (--nnodes MAX): this node waits as a spare
+    NODE_EXCLUDED = "node_excluded"  # this node is out of the job for a cooldown (agent/excluded.py)
     # the node's workers
     WORKERS_STARTED = "workers_started"  # this node's workers started (an attempt began)
     WORKERS_KEPT = "workers_kept"  # in-place: the running workers carry on into the new round

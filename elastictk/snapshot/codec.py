@@ -69,17 +69,22 @@ class Plan:
         self.meta = meta
         self.size = self.base + offset
 
-    def write(self, out: memoryview) -> None:
-        """Serialize into ``out`` (at least ``size`` bytes)."""
-        import torch
-
+    def write(self, out: memoryview, skip: frozenset[int] = frozenset()) -> None:
+        """Serialize into ``out`` (at least ``size`` bytes), but the tensors whose indices are
+        in ``skip`` (:meth:`write_tensors` copies those later: a pipelined commit)."""
         U64.pack_into(out, 0, len(self.skeleton))
         out[U64.size:U64.size + len(self.skeleton)] = self.skeleton
-        if not self.tensors:
+        self.write_tensors(out, [i for i in range(len(self.tensors)) if i not in skip])
+
+    def write_tensors(self, out: memoryview, indices: list[int]) -> None:
+        import torch
+
+        if not indices:
             return
         u8 = torch.frombuffer(out, dtype=torch.uint8, count=self.size)
         try:
-            for t, (_, shape, off, nbytes) in zip(self.tensors, self.meta):
+            for i in indices:
+                t, (_, shape, off, nbytes) = self.tensors[i], self.meta[i]
                 if nbytes:
                     start = self.base + off
                     u8[start:start + nbytes].view(t.dtype).view(shape).copy_(t)

@@ -12,6 +12,7 @@ A region (native byte order)::
     16     active slot i32 (-1: none) | pad
     24     slot size u64
     64     slot 0 meta | 128 slot 1 meta            (64 bytes each, see META)
+    512    slot 0 origin | 640 slot 1 origin        (u32 length | UTF-8: where an adopted part came from)
     4096   slot 0 data | slot 0 + slot size: slot 1 data
 
 A commit writes the slot that is not active: its meta goes to WRITING first (the older
@@ -19,7 +20,8 @@ snapshot it held is given up), then the data, then the meta (step, length, rank,
 then READY, then ``active`` flips to it: a worker killed at any point leaves the other slot's
 snapshot intact. The checksum of the data (:func:`~.codec.checksum`) is computed afterwards by a
 background thread and marked ``checked``; a slot published but not yet checked was complete
-before it was published.
+before it was published. A worker given ``ELASTICTK_SNAPSHOT_NOTIFY`` (the write end of a pipe
+its agent reads, for the peer tier) then writes one byte there, so the agent ships the slot.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ META_BASE = 64
 # state u32 | checked u32 | step q | length Q | checksum Q | rank u32 | world u32 | seq Q
 META = struct.Struct("@IIqQQIIQ")
 OFF_SUM = 24  # the checksum field within a slot's meta
+OFF_ORIGIN, ORIGIN_SIZE = 512, 128
 MADV_POPULATE_READ = 22  # Linux 5.14: map a range's pages in one call instead of a fault each
 EMPTY, WRITING, READY = 0, 1, 2
 
@@ -116,7 +119,14 @@ class SlotMeta:
 class Region:
     """A worker's own region of the agent's memory."""
 
-    def __init__(self, path: str, local_rank: int, size: int, memory: int, local_world: int) -> None:
+    def __init__(self, path: str, local_rank: int, size: int, memory: int, local_world: int,
+                 notify: Optional[str] = None) -> None:
+        self._notify: Optional[int] = None
+        if notify:
+            try:  # the agent holds the read end: opening cannot block
+                self._notify = os.open(notify, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                self._notify = None  # no replication wake-up; the local tier works alone
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             self.mm = mmap.mmap(fd, size, offset=local_rank * size)
@@ -161,6 +171,7 @@ class Region:
         """The slot to write next, given up (WRITING) before a byte of it changes."""
         i = 0 if self.active < 0 else 1 - self.active
         self._set_state(i, WRITING)
+        U32.pack_into(self.mm, OFF_ORIGIN + ORIGIN_SIZE * i, 0)
         return i
 
     def publish(self, i: int, step: int, length: int, rank: int, world: int) -> None:
@@ -176,16 +187,33 @@ class Region:
         off = META_BASE + 64 * i
         U64.pack_into(self.mm, off + OFF_SUM, digest)
         U32.pack_into(self.mm, off + 4, 1)
+        if self._notify is not None:
+            try:
+                os.write(self._notify, b"\0")
+            except OSError:  # the pipe is full (the agent is behind: it reads every slot) or gone
+                pass
         return digest
 
-    def adopt(self, step: int, raw: memoryview, rank: int, world: int) -> int:
-        """Make ``raw`` (a serialized state, e.g. from disk) this region's active snapshot."""
+    def adopt(self, step: int, raw: memoryview, rank: int, world: int, origin: str = "") -> int:
+        """Make ``raw`` (a serialized state, e.g. from disk or a peer) this region's active
+        snapshot; ``origin`` says where it came from (what a restore names)."""
         self.check_fits(len(raw), step, rank)
         i = self.begin()
         self.data(i)[:len(raw)] = raw
         self.publish(i, step, len(raw), rank, world)
+        text = origin.encode()[:ORIGIN_SIZE - U32.size]
+        off = OFF_ORIGIN + ORIGIN_SIZE * i
+        self.mm[off + U32.size:off + U32.size + len(text)] = text
+        U32.pack_into(self.mm, off, len(text))
         self.seal(i)
         return i
+
+    def origin(self, i: int) -> str:
+        """Where slot ``i``'s snapshot came from when it was adopted ("" for a commit's own)."""
+        off = OFF_ORIGIN + ORIGIN_SIZE * i
+        (n,) = U32.unpack_from(self.mm, off)
+        end = off + U32.size + min(n, ORIGIN_SIZE - U32.size)
+        return bytes(self.mm[off + U32.size:end]).decode(errors="replace")
 
     def make_active(self, i: int) -> None:
         """After restoring slot ``i``: the other slot (newer but torn, or foreign) is given up."""
@@ -225,6 +253,9 @@ class Region:
             pass
 
     def close(self) -> None:
+        if self._notify is not None:
+            os.close(self._notify)
+            self._notify = None
         try:
             self.mm.close()
         except BufferError:  # a view is still exported; the mapping goes with the process

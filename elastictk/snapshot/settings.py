@@ -1,7 +1,7 @@
 """What a job asked of its snapshots: tiers, directory, cadence, memory bound (no torch).
 
-The launcher reads ``--snapshot``, ``--snapshot-dir``, ``--snapshot-every`` and
-``--snapshot-memory``; workers read the same settings from the environment the agent gives
+The launcher reads ``--snapshot``, ``--snapshot-dir``, ``--snapshot-every``,
+``--snapshot-memory`` and ``--snapshot-replicas``; workers read the same settings from the environment the agent gives
 them (:data:`ENV_TIERS` ...), or from ``State(..., snapshot_dir=...)`` in code, which is how a
 plain torchrun script gets the disk tier.
 """
@@ -12,13 +12,17 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-TIERS = ("local", "disk")
-ENV_TIERS = "ELASTICTK_SNAPSHOT"  # "local", "disk" or "local,disk"
+TIERS = ("local", "peer", "disk")
+TIER_HINT = "local, peer, disk or a comma list (local,peer,disk)"
+ENV_TIERS = "ELASTICTK_SNAPSHOT"  # e.g. "local", "local,peer", "local,disk"
 ENV_DIR = "ELASTICTK_SNAPSHOT_DIR"
 ENV_EVERY = "ELASTICTK_SNAPSHOT_EVERY"
 ENV_MEMORY = "ELASTICTK_SNAPSHOT_MEMORY"
 ENV_REGIONS = "ELASTICTK_SNAPSHOT_REGIONS"  # /proc/<agent pid>/fd/<fd>
 ENV_REGION_SIZE = "ELASTICTK_SNAPSHOT_REGION_SIZE"  # bytes per local rank
+ENV_NOTIFY = "ELASTICTK_SNAPSHOT_NOTIFY"  # /proc/<agent pid>/fd/<fd>: a pipe, one byte per sealed slot
+DEFAULT_REPLICAS = 1
+ENV_OVERLAP = "ELASTICTK_SNAPSHOT_OVERLAP"  # "1": pipelined commits (overlap.py)
 DEFAULT_EVERY = 10
 KEEP = 2  # complete disk snapshots kept
 PAGE = 4096
@@ -34,14 +38,28 @@ class SettingsError(ValueError):
 
 
 def parse_tiers(text: str, what: str) -> tuple[str, ...]:
-    """``local``, ``disk`` or ``local,disk``; ``what`` names the input in an error line."""
+    """Tier names, comma separated (``peer`` implies ``local``: a node ships the parts its
+    agent's memory holds); ``what`` names the input in an error line."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
-        raise SettingsError(f"{what}: name a tier: local, disk or local,disk")
+        raise SettingsError(f"{what}: name a tier: {TIER_HINT}")
     bad = [t for t in names if t not in TIERS]
     if bad:
-        raise SettingsError(f"{what}: unknown tier {bad[0]!r}; use local, disk or local,disk")
+        raise SettingsError(f"{what}: unknown tier {bad[0]!r}; use {TIER_HINT}")
+    if "peer" in names:
+        names.append("local")
     return tuple(t for t in TIERS if t in names)
+
+
+def parse_replicas(text: str, what: str) -> int:
+    """How many other nodes hold each node's parts (the peer tier)."""
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SettingsError(f"{what}: a whole number of nodes, at least 1")
+    return n
 
 
 def parse_bytes(text: str, what: str) -> int:
@@ -96,6 +114,8 @@ class Settings:
     regions: Optional[str] = None  # the agent's memfd, for the local tier
     region_size: int = 0
     memory: int = 0  # the node's bound, for messages
+    overlap: bool = False  # copy what the optimizer owns during the next step (overlap.py)
+    notify: Optional[str] = None  # the agent's pipe, poked once a slot is sealed (the peer tier)
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +123,8 @@ class Settings:
 
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, tiers: Optional[str] = None,
-                directory: Optional[str] = None, every: Optional[int] = None) -> "Settings":
+                directory: Optional[str] = None, every: Optional[int] = None,
+                overlap: Optional[bool] = None) -> "Settings":
         """Code's arguments over the environment. ``directory`` alone means the disk tier."""
         raw = tiers if tiers is not None else env.get(ENV_TIERS, "")
         names = parse_tiers(raw, f"snapshot={raw!r}" if tiers is not None else f"{ENV_TIERS}={raw!r}") if raw else ()
@@ -121,4 +142,9 @@ class Settings:
         regions = env.get(ENV_REGIONS) or None
         size = int(env.get(ENV_REGION_SIZE, "0") or 0)
         memory = int(env.get(ENV_MEMORY, "0") or 0) if (env.get(ENV_MEMORY, "") or "").isdigit() else 0
-        return cls(names, directory, every, regions, size, memory)
+        raw_overlap = (env.get(ENV_OVERLAP, "") or "0").strip().lower()
+        if raw_overlap not in ("0", "1", "true", "false", "yes", "no"):
+            raise SettingsError(f"{ENV_OVERLAP}={raw_overlap!r}: use 1 (pipelined commits) or 0")
+        overlap_on = overlap if overlap is not None else raw_overlap in ("1", "true", "yes")
+        return cls(names, directory, every, regions, size, memory, overlap_on,
+                   notify=env.get(ENV_NOTIFY) or None)

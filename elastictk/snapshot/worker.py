@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import codec
-from .disk import Disk
+from . import codec, copies, overlap, reshard
+from .dcp import DcpDisk
 from .local import Region
 from .settings import Settings
 
@@ -36,6 +36,17 @@ def say(line: str) -> None:
 
 class SnapshotError(RuntimeError):
     """Snapshots used wrongly, or a setting that cannot work; one line says what to do."""
+
+
+@dataclass
+class Deferred:
+    """A pipelined commit's tensors still to copy, and what to go back to if one changes."""
+
+    plan: codec.Plan
+    out: memoryview
+    indices: list[int]
+    versions: list[int]
+    previous: Optional[tuple[int, int, int]]
 
 
 @dataclass
@@ -82,15 +93,20 @@ class Snapshotter:
         if "local" in settings.tiers:
             if settings.regions and settings.region_size:
                 self.region = Region(settings.regions, local_rank, settings.region_size,
-                                     settings.memory, local_world)
+                                     settings.memory, local_world, notify=settings.notify)
             else:
                 say(f"rank {rank}: the local tier needs elastictk-run (its agent owns the memory); "
                     "writing " + ("the disk tier only" if "disk" in settings.tiers else "no snapshot"))
-        self.disk = Disk(settings.directory, rank, world) if "disk" in settings.tiers and settings.directory else None
+        on_disk = "disk" in settings.tiers
+        self.disk = DcpDisk(settings.directory, rank, world) if on_disk and settings.directory else None
         self._private: Optional[bytearray] = None
         self._last: Optional[tuple[int, int, int]] = None  # (step, slot or -1 private, length)
         self._thread: Optional[threading.Thread] = None
         self._warned: set[str] = set()
+        self.overlap = settings.overlap  # pipelined commits (overlap.py)
+        self.gate = overlap.Gate()
+        self._deferred: Optional[Deferred] = None
+        self._specs: dict[tuple[Any, ...], reshard.Spec] = {}  # the last commit's DTensors
 
     def moved(self, rank: int, world: int) -> None:
         """This process's rank or world size changed (``run_elastic``: a new generation); later
@@ -99,30 +115,40 @@ class Snapshotter:
             self.wait()
             self.rank, self.world = rank, world
             if self.disk is not None:
-                self.disk = Disk(str(self.disk.root), rank, world)
+                self.disk = DcpDisk(str(self.disk.root), rank, world)
 
     @property
     def active(self) -> bool:
         return self.region is not None or self.disk is not None
 
     # -- commit -----------------------------------------------------------------------------------
-    def commit(self, capture: Any, step: int) -> None:
+    def commit(self, capture: Any, step: int, guard: frozenset[int] = frozenset()) -> None:
+        """``guard``: ``data_ptr`` of the tensors an optimizer hooked to :attr:`gate` changes
+        (:func:`.overlap.guarded`); with ``overlap`` on, those are copied in the background."""
         self.wait()
+        capture, self._specs = reshard.localize(capture)  # DTensors: their local shards
         plan = codec.Plan(capture)
+        deferred = [k for k, t in enumerate(plan.tensors) if t.data_ptr() in guard] if self.overlap else []
         if self.region is not None:
             self.region.check_fits(plan.size, step, self.rank)
             i = self.region.begin()
-            plan.write(self.region.data(i))
-            self.region.publish(i, step, plan.size, self.rank, self.world)
+            out = self.region.data(i)
         else:
             if self._private is None or len(self._private) < plan.size:
                 self._private = bytearray(plan.size)
-            plan.write(memoryview(self._private))
-            i = -1
+            out, i = memoryview(self._private), -1
+        plan.write(out, skip=frozenset(deferred))
+        if deferred:  # published by the background thread once copied and unchanged
+            self._deferred = Deferred(plan, out, deferred, [plan.tensors[k]._version for k in deferred],
+                                      self._last)
+            self.gate.opened()
+        elif i >= 0:
+            assert self.region is not None
+            self.region.publish(i, step, plan.size, self.rank, self.world)
         self._last = (step, i, plan.size)
         due = self.disk is not None and step % self.settings.every == 0
-        store = self._store() if due and self.world > 1 else None
-        self._thread = threading.Thread(target=self._after, args=(step, i, plan.size, due, store),
+        group = self.disk.group() if due and self.disk is not None else None
+        self._thread = threading.Thread(target=self._after, args=(step, i, plan.size, due, group),
                                         name="elastictk-snapshot")
         self._thread.start()
 
@@ -133,26 +159,46 @@ class Snapshotter:
         assert self._private is not None
         return memoryview(self._private)[:length]
 
-    def _after(self, step: int, i: int, length: int, due: bool, store: Any) -> None:
-        """Background: checksum, then the disk tier when due."""
+    def _after(self, step: int, i: int, length: int, due: bool, group: Any) -> None:
+        """Background: a pipelined commit's copy, the checksum, then the disk tier when due."""
+        if not self._finish_copy(step, i, length):
+            return
         try:
-            digest = self.region.seal(i) if i >= 0 and self.region is not None else (
-                codec.checksum(self._buffer(i, length)) if due else 0)
-            if due and self.disk is not None:
-                self.disk.write(step, self._buffer(i, length), digest, store)
+            if i >= 0 and self.region is not None:
+                self.region.seal(i)
+            if due and self.disk is not None:  # DCP from the buffer: it holds the copy
+                tree = codec.read(self._buffer(i, length), clone=False)
+                self.disk.save(step, reshard.globalize(tree, self._specs), group)
         except Exception as e:  # the tier fails, training goes on: say so once per cause
             key = type(e).__name__
             if key not in self._warned:
                 self._warned.add(key)
                 say(f"rank {self.rank}: snapshot of step {step} not written to disk: {e}")
 
-    def _store(self) -> Any:
-        dist, ready = _dist()
-        if not ready:
-            return None
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
+    def _finish_copy(self, step: int, i: int, length: int) -> bool:
+        """Copy the deferred tensors, check none changed meanwhile, publish; False when the
+        commit is given up (the previous one stays the newest)."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return True
+        try:
+            d.plan.write_tensors(d.out, d.indices)
+            bad = overlap.changed([d.plan.tensors[k] for k in d.indices], d.versions)
+            if bad is None:
+                if i >= 0:
+                    assert self.region is not None
+                    self.region.publish(i, step, length, self.rank, self.world)
+                return True
+            self._last, self.overlap = d.previous, False
+            t = d.plan.tensors[d.indices[bad]]
+            kept = f"step {d.previous[0]}" if d.previous is not None else "none"
+            say(f"rank {self.rank}: the snapshot of step {step} is dropped: a tensor of the state "
+                f"(shape {list(t.shape)}) was changed in place outside the optimizer while it was "
+                f"being copied; the newest snapshot stays {kept}, and commits copy on the training "
+                "thread from now on (drop --snapshot-overlap for this script)")
+            return False
+        finally:
+            self.gate.closed()
 
     def wait(self) -> None:
         t = self._thread
@@ -166,7 +212,7 @@ class Snapshotter:
         if self._last is None:
             return None
         step, i, length = self._last
-        return step, codec.read(self._buffer(i, length))
+        return step, reshard.globalize(codec.read(self._buffer(i, length)), self._specs)
 
     # -- restore ----------------------------------------------------------------------------------
     def _sources(self) -> dict[int, list[tuple[str, Any]]]:
@@ -180,8 +226,8 @@ class Snapshotter:
         return out
 
     def _verify(self, step: int, sources: list[tuple[str, Any]], torn: list[str]
-                ) -> Optional[tuple[str, Any, Optional[bytearray]]]:
-        """The first source of ``step`` that is whole (a disk part comes with its bytes)."""
+                ) -> Optional[tuple[str, Any, Any]]:
+        """The first source of ``step`` that is whole."""
         for tier, src in sources:
             if tier == "local":
                 assert self.region is not None
@@ -190,20 +236,35 @@ class Snapshotter:
                     return tier, src, None
             else:
                 assert self.disk is not None
-                raw, why = self.disk.read(step)
-                if raw is not None:
-                    return tier, src, raw
+                why = self.disk.verify(step)  # this rank's share of the step's files
+                if why is None:
+                    return tier, src, None
             torn.append(f"rank {self.rank}'s {tier} part of step {step} is torn ({why})")
         return None
 
-    def _adopt(self, step: int, tier: str, src: Any, raw: Optional[bytearray]) -> Any:
+    def _load(self, step: int, got: tuple[str, Any, Any], torn: list[str],
+              template: Callable[[], Any]) -> Optional[tuple[str, Any, Any]]:
+        """A disk step every rank found whole, loaded by DCP onto ``template()``'s DTensors
+        (resharded); None if it fails to load (torn too)."""
+        if got[0] != "disk":
+            return got
+        assert self.disk is not None
+        try:
+            return got[0], got[1], self.disk.load(step, template())
+        except Exception as e:  # DCP's own errors: a file cut short, a key missing
+            torn.append(f"rank {self.rank}'s disk part of step {step} is torn (cannot load it: "
+                        f"{(str(e).strip() or type(e).__name__).splitlines()[0]})")
+            return None
+
+    def _adopt(self, step: int, tier: str, src: Any, loaded: Any) -> Any:
         """Make the agreed part this rank's last commit; its state, module tensors as views."""
         if tier == "local":
             assert self.region is not None
             self.region.make_active(src.index)
             self._last = (step, src.index, src.length)
-            return codec.read(self.region.data(src.index)[:src.length], clone=False)
-        assert raw is not None
+            return reshard.globalize(codec.read(self.region.data(src.index)[:src.length],
+                                                clone=False), self._specs)
+        raw, self._specs = reshard.encode(loaded)
         if self.region is not None:
             try:
                 i = self.region.adopt(step, memoryview(raw), self.rank, self.world)
@@ -211,14 +272,33 @@ class Snapshotter:
                 say(f"rank {self.rank}: step {step} not copied to local memory: {e}")
             else:
                 self._last = (step, i, len(raw))
-                return codec.read(self.region.data(i)[:len(raw)], clone=False)
+                return loaded
         self._private = raw
         self._last = (step, -1, len(raw))
-        return codec.read(memoryview(raw), clone=False)
+        return loaded
 
-    def restore(self) -> Optional[Restored]:
+    def restore(self, template: Optional[Callable[[], Any]] = None) -> Optional[Restored]:
+        """``template()``: the current state (the objects' ``state_dict()``s), whose DTensors
+        say how this world shards what is restored."""
         t0 = time.perf_counter()
+        cached: list[Any] = []
+
+        def like() -> Any:
+            if not cached:
+                cached.append(template() if template is not None else None)
+            return cached[0]
+
+        self._specs = reshard.specs_like(like()) if template is not None and self.region else {}
         sources = self._sources()
+        if self.region is not None:  # another world size (or new ranks): replicated state from any copy
+            c = copies.restore(self.region, self.rank, self.world, list(sources), say=say,
+                               replicated=not self._specs, gather=lambda o: gather(o, self.world))
+            if c is not None:
+                self._private, self._last = c.raw or self._private, (c.step, c.slot, c.length)
+                state = codec.read(self._buffer(c.slot, c.length), clone=False)
+                took = time.perf_counter() - t0
+                say(f"rank {self.rank} restored step {c.step} from {c.words} in {took * 1000:.1f} ms")
+                return Restored(c.step, "local", state, took)
         torn: list[str] = []
         while True:
             lists = gather(sorted(sources), self.world)
@@ -232,18 +312,23 @@ class Snapshotter:
                 return None
             got = self._verify(step, sources[step], torn)
             oks = gather(got is not None, self.world)
+            if all(oks) and got is not None:  # the same on every rank: all gather again
+                got = self._load(step, got, torn, like)
+                oks = gather(got is not None, self.world)
             if all(oks) and got is not None:
                 state = self._adopt(step, *got)
                 for line in torn:
                     say(f"{line}; restoring step {step}, the newest step every rank holds whole")
                 took = time.perf_counter() - t0
-                say(f"rank {self.rank} restored step {step} from {TIER_WORDS[got[0]]} "
+                origin = self.region.origin(got[1].index) if got[0] == "local" and self.region else ""
+                say(f"rank {self.rank} restored step {step} from {origin or TIER_WORDS[got[0]]} "
                     f"in {took * 1000:.1f} ms")
                 return Restored(step, got[0], state, took)
             del sources[step]  # torn here or elsewhere: unusable for everyone; agree again
 
     def close(self) -> None:
         self.wait()
+        self.gate.detach()
         if self.region is not None:
             self.region.close()
 

@@ -1,0 +1,116 @@
+"""Agents' side of ``bench snapshot``'s peer rows, in a process of its own as in a real job.
+
+Node A owns the bench process's snapshot memory (its memfd, as ``elastictk-run --snapshot
+local,peer`` does) and replicates each sealed slot to node B over the peer tier. Commands on
+stdin, one JSON line answered per command on stdout:
+
+- ``start``: make A and B; answers the environment a worker on A gets (memfd, notify pipe).
+- ``fetch``: node A is lost; node C takes its rank and, as its agent does before its workers
+  start, fetches the part from B; answers C's worker environment and how long the fetch took.
+- ``quit``: close everything.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from elastictk.snapshot.local import Holder
+from elastictk.snapshot.peertier import PeerTier
+
+TOKEN, JOB = "bench-token", "bench"
+
+
+class _Member:
+    def __init__(self, node_id: str, rank: int, tier: PeerTier) -> None:
+        self.node_id, self.rank, self.meta = node_id, rank, {"addr": "127.0.0.1", **tier.meta()}
+
+
+def _answer(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    memory = int(sys.argv[1])
+    holders: list[Holder] = []
+    tiers: list[PeerTier] = []
+    try:
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "start":
+                holders += [Holder(1, memory), Holder(1, memory)]
+                tiers += [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, memory) for h in holders]
+                a, b = _Member("A", 1, tiers[0]), _Member("B", 0, tiers[1])
+                # One process in the bench, so the parts are rank 0's of a world of 1; B is
+                # group rank 0 and A group rank 1, so A's ring neighbour is B.
+                tiers[0].round([b, a], 1, "A", 0, prefetch=False)
+                tiers[1].round([b, a], 1, "B", 0, prefetch=False)
+                _answer({**holders[0].env(), **tiers[0].env()})
+            elif cmd == "replicated":  # the step B holds newest from A
+                steps = [k.step for k in tiers[1].replicas.index()]
+                _answer({"step": max(steps) if steps else None})
+            elif cmd == "fetch":
+                holders.append(Holder(1, memory))
+                tiers.append(PeerTier(holders[-1], "127.0.0.1", TOKEN, JOB, 1, memory))
+                b, c = _Member("B", 0, tiers[1]), _Member("C", 1, tiers[-1])
+                t0 = time.perf_counter()
+                tiers[-1].round([b, c], 1, "C", 0, prefetch=True)
+                took = (time.perf_counter() - t0) * 1000
+                _answer({"env": {**holders[-1].env(), **tiers[-1].env()}, "fetch_ms": took})
+                tiers.pop().close()
+                # the holder stays until the next fetch or quit: the worker restores from it
+            elif cmd == "drop":
+                if len(holders) > 2:
+                    holders.pop().close()
+                _answer({})
+            elif cmd == "quit":
+                break
+    finally:
+        for t in tiers:
+            t.close()
+        for h in holders:
+            h.close()
+
+
+class Agents:
+    """The bench's handle on that process."""
+
+    def __init__(self, memory: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench._peer_agents", str(memory)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, cmd: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the bench's agents process ended (exit {self.proc.wait()})")
+        return dict(json.loads(line))
+
+    def wait_replicated(self, step: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        got: Optional[int] = None
+        while time.monotonic() < deadline:
+            got = self.ask("replicated")["step"]
+            if got is not None and got >= step:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"step {step} never reached the peer (newest there: {got})")
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+if __name__ == "__main__":
+    main()

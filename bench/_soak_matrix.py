@@ -113,6 +113,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              ("--standalone", "--nproc-per-node", "3", "--max-restarts", "3", "--recovery", "in-place"),
              (INPLACE, "--steps", "500", "--step-time", "0.03"),
              time_plan=TimePlan(3, ("sigkill", "sigterm", "sigsegv"), (1.0, 10.0), 3.5, 3)),
+    # run_elastic restarted whole (restart-all) with pipelined snapshots in the agent's memory:
+    # every restart resumes from memory, judged by steps lost per fault <= the snapshot bound.
+    Scenario("snapshot-step", "restart-all", INPLACE, "step",
+             ("--faults", "12", "--kinds", CRASHES, "--at-steps", "3:40"),
+             ("--standalone", "--nproc-per-node", "2", "--max-restarts", "12", "--snapshot", "local",
+              "--snapshot-overlap", "1"),
+             (INPLACE, "--steps", "50", "--step-time", "0.02")),
     # Several agents on loopback: node loss (the node's agent starts again 1 s later) and store
     # outages shorter than the heartbeat timeout (ridden through), over each backend; the plan
     # keeps faults 10 s apart so each finds the job re-formed (8 s on a loaded machine). Under c10d node 0 hosts the store

@@ -211,4 +211,4 @@ def test_recovery_and_result_state_compare_as_their_values() -> None:
     with pytest.raises(ValueError):
         AgentConfig(spec, rdzv, recovery="never")
     assert ResultState.FINISHED_ELSEWHERE == "finished-elsewhere" and f"{ResultState.SIGNALLED}" == "signalled"
-    assert len(Outcome) == 7 and not isinstance(Outcome.SUCCEEDED, int)
+    assert len(Outcome) == 8 and not isinstance(Outcome.SUCCEEDED, int)

@@ -399,3 +399,24 @@ def test_without_a_token_the_same_forged_writes_end_the_job_early(tmp_path: Path
     assert max(trained) < STEPS - 1, out[-3000:]
     with pytest.raises(AssertionError):
         check_samples(trace, STEPS)
+
+
+@pytest.mark.parametrize("formed", [True, False])
+def test_a_generation_formed_just_before_the_workers_finished_is_reported(tmp_path: Path, formed: bool) -> None:
+    """Workers can re-form and finish a short job within the watcher's re-arm; when every worker
+    has finished, the agent still reports the recovery (``settle``) if, and only if, the
+    generation's ready record is there."""
+    from elastictk.metrics.kinds import EventKind
+
+    with agent_round(tmp_path, token=False) as (rnd, server, events):
+        rnd._stop.set()  # the watcher is asleep at the wrong moment, for good
+        rnd._watcher.join(timeout=5)
+        rnd.pending, rnd.gen = 1, 1
+        rnd._begin_deadline()
+        if formed:
+            server.set(f"{PREFIX}/{ready_key(1)}", ready_value(time.time()))
+        assert not rnd.poll() and not events, "nothing the watcher saw"
+        rnd.settle()
+        got = [(k, kw["generation"]) for k, kw in events]
+        assert got == ([(EventKind.INPLACE_RECOVERED, 1)] if formed else [])
+        assert (rnd.pending is None) == formed

@@ -565,6 +565,8 @@ class ElasticAgent:
             if watch.changed.is_set():
                 return Outcome.MEMBERSHIP, []
             if not group.running:
+                if inplace is not None:
+                    inplace.settle()
                 return Outcome.SUCCEEDED, []
 
     def _after_failure(self, outcome: Outcome, failed: list[WorkerResult], coord: RoundCoordinator,

@@ -302,6 +302,13 @@ class InPlaceRound:
             return True
         return False
 
+    def settle(self) -> None:
+        """Every worker finished: a generation that formed meanwhile is reported now (its ready
+        record is in the store), though the watcher had not woken the agent for it yet. A job
+        with few steps left after a recovery finishes within the watcher's re-arm."""
+        if self.pending is not None and self._formed(self.pending):
+            self._complete_pending()
+
     def _formed(self, g: int) -> bool:
         """Whether generation ``g`` is ready, asking the store itself: the watcher's event may
         lag the workers by a wake-up."""

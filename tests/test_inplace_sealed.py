@@ -420,3 +420,29 @@ def test_a_generation_formed_just_before_the_workers_finished_is_reported(tmp_pa
         got = [(k, kw["generation"]) for k, kw in events]
         assert got == ([(EventKind.INPLACE_RECOVERED, 1)] if formed else [])
         assert (rnd.pending is None) == formed
+
+
+def test_a_formed_generation_is_reported_before_the_watch_moves_to_a_newer_record(tmp_path: Path) -> None:
+    """The workers re-form generation 1 and, a few steps later, publish their ``finished``
+    record as generation 2, all between two looks of the watcher: generation 1's recovery is
+    still reported (it formed), and only then does the watch move on."""
+    from elastictk.metrics.kinds import EventKind
+
+    with agent_round(tmp_path, token=False) as (rnd, server, events):
+        server.set(f"{PREFIX}/{gen_key(1)}", Generation(1, 2, 1, "replaced").to_json())
+        server.set(f"{PREFIX}/{ready_key(1)}", ready_value(time.time()))
+        server.set(f"{PREFIX}/{gen_key(2)}", Generation(2, 2, 1, finished=True).to_json())
+        with rnd._lock:
+            rnd.pending, rnd.gen = 1, 1
+            rnd._begin_deadline()
+        deadline = time.monotonic() + 5
+        while not rnd._ready.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # the watcher looks again (every 0.1 s): it must not drop generation 1
+        assert rnd.pending == 1 and rnd._ready.is_set()
+        assert not rnd.poll()
+        assert [(k, kw["generation"]) for k, kw in events] == [(EventKind.INPLACE_RECOVERED, 1)]
+        deadline = time.monotonic() + 5
+        while rnd.gen != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rnd.gen == 2, "then the watch follows the newer record"

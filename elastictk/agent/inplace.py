@@ -168,6 +168,14 @@ class InPlaceRound:
             while not self._stop.is_set():
                 with self._lock:
                     latest = self._published(store)
+                    if latest > self.gen and self.pending is not None and (
+                            self._ready.is_set() or self._ready_in(store, self.pending)):
+                        # The generation being formed did form (a newer record, e.g. the
+                        # workers' "finished", followed at once): report it before moving on.
+                        if not self._ready.is_set():
+                            self._ready.set()
+                            self.group.wake()
+                        latest = self.gen
                     if latest > self.gen:  # another agent replaced one of its workers
                         self.gen = self.pending = latest
                         self._pending_kind = EventKind.INPLACE_RECOVERED
@@ -203,6 +211,10 @@ class InPlaceRound:
             self.group.wake()
         finally:
             store.close()
+
+    def _ready_in(self, store: Store, g: int) -> bool:
+        key = ready_key(g)
+        return self.sealer.open(key, store.try_get(f"{self.prefix}/{key}")) is not None
 
     def _published(self, store: Store) -> int:
         """The newest generation another agent has published, else ours (:func:`newest`: one

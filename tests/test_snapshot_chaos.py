@@ -74,7 +74,10 @@ def test_a_chaos_run_with_snapshots_judges_steps_lost_against_the_interval(
         assert f"[ok] {NAME}" in r.stdout
     else:
         assert r.returncode == 1, r.stdout + r.stderr[-3000:]
-        assert fault["lost_steps"] >= 4 and not verdict(data)["ok"]
+        # From step 0 again: every step done before the kill at step 5 is lost. Lines read late
+        # on a busy host can move the last one or two after the kill, so only "more than the
+        # bound" is certain, and that is what turns the check red.
+        assert fault["lost_steps"] >= 2 and not verdict(data)["ok"], (fault, data["checks"])
         assert (f"#0 sigkill lost {fault['lost_steps']} step(s), more than 1: was the snapshot "
                 "restored (state.restore())?") in verdict(data)["detail"]
 

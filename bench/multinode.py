@@ -106,7 +106,7 @@ class Run:
         out = []
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 3:
+            if len(parts) == 4:  # time, world, rank, pid (the pid is the spares bench's)
                 out.append((float(parts[0]), int(parts[1]), int(parts[2])))
         return out
 

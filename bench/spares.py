@@ -1,7 +1,7 @@
 """Spares: a node of a 2-node job is lost; recovery with a spare waiting vs without one.
 
 One host, several launcher agents on loopback (``--rdzv-backend c10d``, the TCPStore hosted by
-the first agent), ``--nnodes 1:2``, one worker per agent (``bench/_spares_worker.py``: a gloo
+the first agent), ``--nnodes 1:2``, one worker per agent (``bench/_multinode_worker.py``: a gloo
 all-reduce per step, each line stamped with ``time.monotonic()`` and its process). Two nodes
 train; then either
 
@@ -42,7 +42,7 @@ from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fm
 
 TITLE = "Spares: a node of two lost, recovery with a waiting spare vs without, elastictk-run vs torchrun"
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "bench" / "_spares_worker.py")
+WORKER = str(ROOT / "bench" / "_multinode_worker.py")
 START_TIMEOUT, RECOVERY_TIMEOUT = 120.0, 60.0
 SETTLE = 1.0  # after the spare waits, before the kill: the running job must not notice it
 ELASTICTK_CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"

@@ -10,7 +10,7 @@ TORCH_SPEC := torch==2.13.0
 # libfaketime for a test host whose wall clock is off.
 DEB_PKGS := etcd-server prometheus iproute2 faketime openssl
 
-.PHONY: demo test check install debs bench clean
+.PHONY: demo test check docs install debs bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(VPY):
 $(STAMP): $(VPY) setup.py pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q $(TORCH_SPEC) numpy
-	$(VPY) -m pip install -q -e '.[test,plots]'
+	$(VPY) -m pip install -q -e '.[test,plots,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +42,13 @@ check: install
 	$(VENV)/bin/ruff check elastictk tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	@d=$$(mktemp -d); NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$d; \
+	rc=$$?; rm -rf $$d; exit $$rc
+
+# The docs site (docs/*.md, the README as its home page, the API reference from docstrings)
+# into site/; open site/index.html. Broken links and anchors fail the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
 # Two test processes (pytest-xdist), each taking whole files: most tests wait on real processes.
@@ -54,4 +61,4 @@ bench: install
 	$(VPY) -m bench
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis site

@@ -33,6 +33,10 @@ setup(
                  "pytest-xdist>=3.5",
                  # the checks make test runs: lint, types, and the layer contract (pyproject.toml)
                  "ruff>=0.6", "mypy>=1.10", "import-linter>=2.0"],
+        # the docs site (make docs; make check builds it with --strict): MkDocs with the Material
+        # theme, the standard for Python projects' docs, and mkdocstrings for the API reference
+        # from the docstrings
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         # elastictk-chaos draws chaos-timeline.png with it; without it the picture is skipped
         "plots": ["matplotlib>=3.8"],
     },

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import os
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ..snapshot.settings import Settings, SettingsError
+
+log = logging.getLogger("elastictk.inplace")
+_warned_no_tier = False  # the "restored nothing" line is said once per process
 
 
 @runtime_checkable
@@ -173,6 +177,7 @@ class State:
         after ``init_process_group``: the ranks agree on the step over the default group."""
         snap = self._snapshotter()
         if snap is None:
+            _say_nothing_restored()
             return None
         got = snap.restore(lambda: {"objects": {n: o.state_dict() for n, o in self._objects.items()},
                                     "values": self._values})  # where a DTensor goes, now
@@ -255,6 +260,24 @@ class State:
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names)}; committed={self.committed})"
+
+
+def _say_nothing_restored() -> None:
+    """A restarted worker calling ``restore()`` with no tier restores nothing and its job starts
+    again from the beginning: say so, once per process (a first start has nothing to restore,
+    so it stays quiet)."""
+    global _warned_no_tier
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    try:
+        count = int(raw)
+    except ValueError:
+        return
+    if count <= 0 or _warned_no_tier:
+        return
+    _warned_no_tier = True
+    log.warning("elastictk: state.restore() in restart %d restored nothing: no snapshot tier is "
+                "configured, so training starts again from the state's initial values; pass "
+                "elastictk-run --snapshot local (or disk), or State(snapshot_dir=DIR)", count)
 
 
 def _rank_world() -> tuple[int, int]:

@@ -15,6 +15,7 @@ import os
 import runpy
 import sys
 import traceback
+from types import TracebackType
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from ..lifetime.reaper import die_with_parent
@@ -195,10 +196,32 @@ def run_python(kind: str, target: str, args: Iterable[str]) -> int:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = _exit_code(e)
-    except BaseException:  # noqa: BLE001 - report like the interpreter, then exit 1
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - report like the interpreter, then exit 1
+        report_uncaught(e)
         code = 1
     return code
+
+
+def _launcher_frame(tb: TracebackType) -> bool:
+    from . import errors  # the @record wrapper a function worker runs under
+
+    name = tb.tb_frame.f_code.co_filename
+    return name in (__file__, errors.__file__, runpy.__file__, "<frozen runpy>")
+
+
+def report_uncaught(e: BaseException) -> None:
+    """Print an exception that ended the worker's main as ``python script.py`` would: the
+    user's frames only (the ones of this module and runpy above them are the launcher's, not
+    the script's, and torchrun's workers show none), through ``sys.excepthook`` so a script
+    that installs its own (rich tracebacks, a logger) still gets it."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and _launcher_frame(tb):
+        tb = tb.tb_next
+    e.__traceback__ = tb  # the interpreter's hook prints the exception's own traceback
+    try:
+        sys.excepthook(type(e), e, tb)
+    except BaseException:  # noqa: BLE001 - a broken hook must not hide the error
+        traceback.print_exception(type(e), e, tb)
 
 
 def call_function(fn: Callable[..., Any], args: tuple[Any, ...], result_fd: int) -> int:
@@ -213,8 +236,8 @@ def call_function(fn: Callable[..., Any], args: tuple[Any, ...], result_fd: int)
         code = 0
     except SystemExit as e:
         code = _exit_code(e)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001
+        report_uncaught(e)
         code = 1
     finally:
         conn.close()

@@ -112,7 +112,7 @@ def test_agent_metrics_counts_every_member_under_its_value() -> None:
         m(k)  # no fields at all: handlers must cope, and never raise
     for k in EventKind:
         assert reg.get_sample_value("elastictk_events_total",
-                                    {"job": "j", "node": "n0", "role": "default", "kind": k.value}) == 1, k
+                                    {"run_id": "j", "node": "n0", "role": "default", "kind": k.value}) == 1, k
 
 
 # -- a real small job -------------------------------------------------------------------------------

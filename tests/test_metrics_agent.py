@@ -23,7 +23,7 @@ from elastictk.metrics.labels import (
 from elastictk.metrics.steps import WorkerStepsBlock
 
 ROOT = Path(__file__).resolve().parent.parent
-L = {"job": "j", "node": "n0", "role": "trainer"}
+L = {"run_id": "j", "node": "n0", "role": "trainer"}
 
 
 class Clock:
@@ -221,7 +221,7 @@ def test_free_text_label_values_are_capped() -> None:
         churn(m, rng, 1000, adversarial=True)
         after_2000 = series(reg)
     labels_seen = {k for _, labels in after_2000 for k, _ in labels}
-    assert labels_seen <= {"job", "node", "role", "reason", "detail", "scope", "cause", "direction",
+    assert labels_seen <= {"run_id", "node", "role", "reason", "detail", "scope", "cause", "direction",
                            "state", "kind", "local_rank", "le"}
     failures = {s for s in after_2000 if s[0] == "elastictk_worker_failures_total"}
     # 24 exit codes or signal names and 16 timer scopes (each with "other"), and lost_node
@@ -297,3 +297,20 @@ def test_goodput_and_losses_from_real_worker_processes() -> None:
         clock.t += 1000
         assert value(reg, "elastictk_goodput_ratio") == frozen  # the wall clock stops at the end
         assert value(reg, "elastictk_last_step_time_seconds") is not None
+
+
+def test_series_carry_run_id_not_job_and_no_created_series() -> None:
+    """``job`` is the label Prometheus sets on every scraped series: elastictk's run id is
+    ``run_id``; and no counter or histogram exports a ``_created`` series."""
+    with WorkerStepsBlock(2) as block:
+        reg, m = make(max_restarts=2, local_world_size=2, steps=block)
+        m("round_joined", round=0, rank=0, world=1)
+        m("workers_started", attempt=0, restart_count=0, pids={0: 101, 1: 102})
+        m("worker_failed", rank=1, local_rank=1, exit="SIGKILL", first_in_job=True)
+        m("restart", restart_count=1, delay_s=0.0)
+        m("recovery", path="restart-all", phases_ms={"detect": 1.0}, steps_redone=2)
+        text = generate_latest(reg).decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert samples and all(s.labels.get("run_id") == "j" and "job" not in s.labels for s in samples)
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    assert "_created" not in text

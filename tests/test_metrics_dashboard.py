@@ -74,7 +74,7 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
         refs = [t["refId"] for t in p["targets"]]
         assert len(refs) == len(set(refs))
     variables = {v["name"] for v in dash["templating"]["list"]}
-    assert {"datasource", "job"} <= variables
+    assert {"datasource", "run_id"} <= variables
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for must in ("world size", "restarts", "goodput", "recovery time", "recovery phases", "steps redone"):
         assert must in titles
@@ -126,5 +126,5 @@ def test_every_dashboard_query_parses_in_prometheus(tmp_path: Path) -> None:
     dash = json.loads(DASHBOARD.read_text())
     with prom:
         for expr in exprs(dash):
-            concrete = expr.replace("$job", ".*").replace("$__rate_interval", "1m")
+            concrete = expr.replace("$run_id", ".*").replace("$__rate_interval", "1m")
             prom.api("query", query=concrete)  # raises PrometheusError on a bad query

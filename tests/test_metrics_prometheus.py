@@ -42,13 +42,13 @@ def test_prometheus_sees_the_restart_and_the_alert_fires(tmp_path: Path, prometh
             PrometheusServer([exporter.target], rule_files=[RULES], base_dir=tmp_path) as prom:
         root = prom.root
         prom.wait_for('up{job="elastictk"}', lambda v: v == 1)
-        assert prom.value('elastictk_restarts_total{job="job-a"}') == 0
+        assert prom.value('elastictk_restarts_total{run_id="job-a"}') == 0
         m("round_joined", round=0, rank=0, world=1)
         m("workers_started", attempt=0, restart_count=0, pids={0: 10, 1: 11})
         m("worker_failed", rank=1, local_rank=1, exit="SIGKILL", first_in_job=True)
         m("restart", restart_count=1, delay_s=0.0, reason="worker 1 was killed")
         m("workers_started", attempt=1, restart_count=1, pids={0: 12, 1: 13})
-        prom.wait_for('elastictk_restarts_total{job="job-a",node="node-0",role="default"}', lambda v: v == 1)
+        prom.wait_for('elastictk_restarts_total{job="elastictk",run_id="job-a",node="node-0",role="default"}', lambda v: v == 1)
         assert prom.value('elastictk_worker_failures_total{reason="signal",detail="SIGKILL"}') == 1
         assert prom.value("elastictk_restarts_remaining") == 0
         assert prom.value("elastictk_workers_running") == 2
@@ -59,7 +59,7 @@ def test_prometheus_sees_the_restart_and_the_alert_fires(tmp_path: Path, prometh
         assert prom.value('ALERTS{alertname="ElastictkJobFailed"}') is None
         m("worker_failed", rank=0, local_rank=0, exit="code 1", first_in_job=True)
         m("job_failed", reason="no restarts left")
-        prom.wait_for('ALERTS{alertname="ElastictkJobFailed",alertstate="firing",job="job-a"}', lambda v: v == 1)
+        prom.wait_for('ALERTS{alertname="ElastictkJobFailed",alertstate="firing",run_id="job-a"}', lambda v: v == 1)
     assert not root.exists()
 
 
@@ -153,7 +153,7 @@ def test_killed_worker_shows_up_in_prometheus(tmp_path: Path, prometheus_binary:
         events = events_from(driver.stdout)
         first = next_event(events, "metrics")
         job, target = first["job"], first["target"]
-        sel = f'job="{job}",node="node-0"'
+        sel = f'run_id="{job}",node="node-0"'
         with PrometheusServer([target], base_dir=tmp_path) as prom:
             started = next_event(events, "workers_started")
             # worker → shared block → exporter → Prometheus

@@ -67,12 +67,12 @@ def test_the_histogram_and_the_redone_counter_in_the_exporters_text() -> None:
       steps_redone=2)
     m("recovery", path="in-place", phases_ms={"detect": 5.0, "start": 30.0}, steps_redone=1)
     text = generate_latest(reg).decode()
-    labels = 'job="j",node="n",phase="{}",role="default"'
+    labels = 'node="n",phase="{}",role="default",run_id="j"'
     for phase, count in (("detect", 2), ("stop", 1), ("rendezvous", 1), ("start", 2), ("restore", 1),
                          ("first_step", 1)):
         assert f"elastictk_recovery_phase_seconds_count{{{labels.format(phase)}}} {count}.0" in text, phase
     assert f'elastictk_recovery_phase_seconds_sum{{{labels.format("rendezvous")}}} 0.3' in text
-    assert 'elastictk_steps_redone_total{job="j",node="n",role="default"} 3.0' in text
+    assert 'elastictk_steps_redone_total{node="n",role="default",run_id="j"} 3.0' in text
 
 
 def test_goodput_does_not_count_redone_steps_as_useful() -> None:

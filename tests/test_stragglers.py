@@ -201,7 +201,7 @@ def test_the_gauge_follows_the_event_and_clears_on_a_new_attempt() -> None:
 
     reg = CollectorRegistry()
     m = AgentMetrics(reg, job="j", node="n0")
-    labels = {"job": "j", "node": "n0", "role": "default", "straggler_node": "n1"}
+    labels = {"run_id": "j", "node": "n0", "role": "default", "straggler_node": "n1"}
     m(EventKind.STRAGGLER, rank=3, host="h", straggler_node="n1", slowdown=3.5)
     assert reg.get_sample_value("elastictk_straggler_slowdown", labels) == 3.5
     m(EventKind.WORKERS_STARTED, pids={0: 1})

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, TypeGuard
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .labels import (
@@ -34,7 +34,9 @@ from .steps import StepTotals, WorkerStepsBlock, goodput, totals
 
 log = logging.getLogger("elastictk.metrics")
 
-BASE = ("job", "node", "role")
+# ``run_id``, not ``job``: Prometheus sets ``job`` on every series it scrapes (the scrape job's
+# name), so a ``job`` label of ours would be renamed ``exported_job`` or need honor_labels.
+BASE = ("run_id", "node", "role")
 STATES = ("rendezvous", "running", "recovering", "succeeded", "failed", "signalled")
 KNOWN_KINDS = tuple(k.value for k in EventKind)  # always their own ``kind`` label value
 # Kinds that change no metric but elastictk_events_total: the in-place details (a recovery's
@@ -48,6 +50,10 @@ IGNORED = frozenset({
     EventKind.SPARE_WAITING,  # counted in events_total{kind=}; a spare is not in a round
     EventKind.NODE_EXCLUDED,  # counted in events_total{kind=}; workers_stopped comes with it
 })
+# No ``<counter>_created`` series: one more series per counter and label set that no panel or
+# rule of elastictk reads (process-wide in prometheus-client; elastictk exports no other way).
+disable_created_metrics()
+
 RENDEZVOUS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

@@ -47,8 +47,8 @@ class PrometheusServer:
     """``with PrometheusServer(["127.0.0.1:9100"]) as prom: prom.wait_for("up", ...)``.
 
     ``targets`` are ``host:port`` exporters scraped every ``scrape_interval`` seconds as scrape
-    job ``job``, with ``honor_labels`` (elastictk's own ``job`` label wins over the scrape
-    job's). ``rule_files`` are alerting/recording rule files evaluated at the same interval.
+    job ``job``, with Prometheus's default label handling (no ``honor_labels``: elastictk's
+    series carry ``run_id``, never ``job``, so nothing collides). ``rule_files`` are alerting/recording rule files evaluated at the same interval.
     """
 
     def __init__(self, targets: Sequence[str], *, job: str = "elastictk", scrape_interval: float = 0.2,
@@ -83,7 +83,7 @@ class PrometheusServer:
         if self.rule_files:
             lines += ["rule_files:"] + [f"  - {json.dumps(r)}" for r in self.rule_files]
         lines += [
-            "scrape_configs:", f"  - job_name: {json.dumps(self.job)}", "    honor_labels: true",
+            "scrape_configs:", f"  - job_name: {json.dumps(self.job)}",
             "    static_configs:", f"      - targets: {json.dumps(self.targets)}",
         ]
         return "\n".join(lines) + "\n"

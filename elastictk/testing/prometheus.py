@@ -48,7 +48,8 @@ class PrometheusServer:
 
     ``targets`` are ``host:port`` exporters scraped every ``scrape_interval`` seconds as scrape
     job ``job``, with Prometheus's default label handling (no ``honor_labels``: elastictk's
-    series carry ``run_id``, never ``job``, so nothing collides). ``rule_files`` are alerting/recording rule files evaluated at the same interval.
+    series carry ``run_id``, never ``job``, so nothing collides). ``rule_files`` are
+    alerting/recording rule files evaluated at the same interval.
     """
 
     def __init__(self, targets: Sequence[str], *, job: str = "elastictk", scrape_interval: float = 0.2,

@@ -3,6 +3,7 @@ histogram, the chaos report's columns, the end-of-job line, and the steps redone
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,3 +160,32 @@ def test_an_in_place_recovery_has_only_the_phases_that_apply(tmp_path: Path) -> 
     assert phases["start"] == spawn.fields["spawn_ms"] and all(v >= 0 for v in phases.values())
     assert abs(phases["start"] + phases["restore"] - took.fields["took_ms"]) <= 0.2  # rounding
     assert "recovery time: detect" in r.stderr
+
+
+def _redone_after(checkpoint_at: int | None, steps: int = 17) -> object:
+    """The ``steps_redone`` of a restart-all recovery whose failed process ran ``steps`` steps and
+    reported a checkpoint after ``checkpoint_at`` of them (None: it never reported one)."""
+    from elastictk.agent.recovery import RecoveryWatch
+
+    got: list[dict[str, object]] = []
+    with WorkerStepsBlock(1) as block:
+        w = worker_mod._Slot(block.path, 0)
+        for i in range(1, steps + 1):
+            w.record(0.01)
+            if i == checkpoint_at:
+                w.checkpoint()
+        watch = RecoveryWatch(lambda kind, **f: got.append(f), block)
+        watch.failed(None, 1.0, {os.getpid()})
+        watch.stopped()
+        watch.restarting(1)
+        watch.finish()
+        del w
+    (event,) = got
+    return event.get("steps_redone", "absent")
+
+
+def test_steps_redone_is_unknown_when_the_script_never_reported_a_checkpoint() -> None:
+    """A script that saves with torch.save and never calls etm.checkpoint(): the agent cannot
+    know where it resumes, so it says unknown instead of counting every step as redone."""
+    assert _redone_after(None) == "unknown"
+    assert _redone_after(10) == 7  # resumed from step 10 after completing 17

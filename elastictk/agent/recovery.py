@@ -22,6 +22,7 @@ from ..metrics.recovery import phases_ms, steps_redone, summary_line
 from ..metrics.steps import WorkerStepsBlock
 
 RESTART_ALL, IN_PLACE = "restart-all", "in-place"
+UNKNOWN = "unknown"  # steps_redone where no checkpoint was reported: never a guessed number
 POLL_S = 0.25  # the monitor's wake-up while a first step is awaited (its time is read exactly)
 
 
@@ -61,7 +62,9 @@ class RecoveryWatch:
             return
         rec.marks["stopped"] = self._clock()
         slots = [s for s in self._slots() if s.owner in rec.failed_pids]
-        if slots:
+        # Known only where the script tells elastictk its checkpoints (``etm.checkpoint()``): a
+        # torch.save the agent never sees would make every step look redone.
+        if slots and all(s.checkpoints > 0 for s in slots):
             rec.redone = max(steps_redone(s.proc_steps, s.ckpt_steps) for s in slots)
 
     def restarting(self, restart_count: int) -> None:
@@ -151,6 +154,7 @@ class RecoveryWatch:
         self._read_steps(rec)
         phases = phases_ms(rec.marks)
         self.done.append(phases)
-        extra = {} if rec.redone is None else {"steps_redone": rec.redone}
+        redone: object = rec.redone if rec.redone is not None else UNKNOWN
+        extra = {"steps_redone": redone} if rec.path == RESTART_ALL else {}
         self._emit(EventKind.RECOVERY, path=rec.path, restart_count=rec.restart_count, phases_ms=phases,
                    total_ms=round(sum(phases.values()), 1), **extra)

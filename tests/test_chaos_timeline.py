@@ -37,7 +37,7 @@ def test_the_recorded_run_reads_back_as_lanes_faults_and_recoveries() -> None:
     assert all(0 <= failed <= formed <= lanes.span for _, failed, formed in lanes.inplace)
     # each replaced rank's bar is cut at its failure and goes on with the replacement
     assert sorted(lane for lane, _, _ in lanes.bars) == [0, 0, 0, 1, 2, 3, 3]
-    assert sorted((lane, step) for lane, _, step in lanes.steps) == [(r, 29) for r in range(4)]
+    assert sorted((lane, text) for lane, _, text in lanes.steps) == [(r, "step 29") for r in range(4)]
 
 
 def test_the_picture_is_a_png_of_sensible_size_and_redraws_from_a_report_dir(tmp_path: Path) -> None:
@@ -71,3 +71,17 @@ def test_without_matplotlib_one_line_says_the_picture_was_skipped(tmp_path: Path
     assert r.stdout.strip() == ("timeline skipped: matplotlib is not installed "
                                 "(pip install 'elastictk[plots]')")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_last_label_says_steps_run_where_only_optimizer_steps_were_counted() -> None:
+    """The automatic count restarts at 0 in every process: a job resumed from step 10 that
+    ended at step 40 counted 30 optimizer steps in its last process. That is no step number,
+    so the label says how many steps that process ran; a script's own step keeps "step N"."""
+    from elastictk.chaos.runner import RunRecord
+
+    exit_line = {"progress": "exit", "node": 0, "attempt": 1, "monotonic": 9.0}
+    rec = RunRecord(argv=[], started=0.0, ended=10.0, progress=[
+        {**exit_line, "source": "auto", "step": 30, "rank": 0},
+        {**exit_line, "source": "checkpoint", "step": 39, "rank": 1}])
+    labels = sorted((lane, text) for lane, _, text in lanes_of(rec, 2).steps)
+    assert labels == [(0, "30 steps run"), (1, "step 39")]

@@ -102,7 +102,8 @@ def test_the_chaos_table_has_a_column_per_phase_and_a_median_line() -> None:
            "recoveries_timed": 3}
     text = chaos_report.render([row, plain], tot, [])
     head = next(x for x in text.splitlines() if x.startswith("#"))
-    assert head.split("steps lost")[1].split() == ["detect", "ms", "stop", "ms", "rdzv", "ms", "start", "ms",
+    assert "fault to detection" in head and "detected after" not in head
+    assert head.split("steps lost")[1].split() == ["detect", "phase", "ms", "stop", "ms", "rdzv", "ms", "start", "ms",
                                                    "restore", "ms", "1st", "step", "ms"]
     first = next(x for x in text.splitlines() if x.startswith("0 "))
     assert first.split()[-6:] == ["1", "12", "4", "15", "49", "12"]

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from ..metrics.recovery import NAMES, describe, median_phases, valid_phases
 
 KIND = "recovery"
-HEADS = {"detect": "detect", "stop": "stop", "rendezvous": "rdzv", "start": "start",
+HEADS = {"detect": "detect phase", "stop": "stop", "rendezvous": "rdzv", "start": "start",
          "restore": "restore", "first_step": "1st step"}
 
 

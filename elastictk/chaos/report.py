@@ -522,8 +522,10 @@ def _s(x: Optional[float]) -> str:
 
 
 def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> str:
-    head: tuple[str, ...] = ("#", "kind", "target", "planned", "injected at", "detected after",
-                             "running again after", "restarts used", "steps lost")
+    # "fault to ...": from the injection, on the runner's clock; not the recovery's "detect"
+    # phase (the worker's exit to the agent acting on it), which has its own column.
+    head: tuple[str, ...] = ("#", "kind", "target", "planned", "injected at", "fault to detection",
+                             "fault to running", "restarts used", "steps lost")
     body: list[tuple[str, ...]] = [(str(r.index), r.kind, r.target, r.planned,
              _s(r.injected_at) if r.fired else "never fired", _s(r.detected_after),
              _s(r.running_after), "-" if r.restarts_used is None else str(r.restarts_used),

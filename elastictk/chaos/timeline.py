@@ -5,7 +5,8 @@ Drawn with matplotlib (the well-kept standard, the optional ``elastictk[plots]``
 while that rank's worker ran, each fault marked where it hit with its kind and target, restarts
 of the whole job (a blue line across every lane) told apart from in-place recoveries (a purple
 diamond on the replaced rank only), store outages as orange bands, the last step each worker
-process reached at the end of its bar, a legend, and a title naming the run and its seed.
+process reached at the end of its bar (``step N`` where the script numbers its steps, ``N steps
+run`` where only its optimizer steps were counted), a legend, and a title naming the run and its seed.
 
 Without matplotlib the report is still written; :func:`write_timeline` says in one line that
 the picture was skipped and how to get it. ``python -m elastictk.chaos.timeline REPORT_DIR``
@@ -41,7 +42,7 @@ class Lanes:
     restarts: list[tuple[float, Optional[int]]] = field(default_factory=list)  # (t, lane or all)
     inplace: list[tuple[int, float, float]] = field(default_factory=list)  # (lane, failed, formed)
     outages: list[tuple[float, float]] = field(default_factory=list)  # store unreachable
-    steps: list[tuple[int, float, int]] = field(default_factory=list)  # (lane, t, last step)
+    steps: list[tuple[int, float, str]] = field(default_factory=list)  # (lane, t, last step's label)
     span: float = 0.0
 
 
@@ -105,7 +106,7 @@ def _rank_lanes(rec: RunRecord, world: int) -> Lanes:
     for p in rec.progress:
         rank, step = _int(p.get("rank")), _int(p.get("step"))
         if p.get("progress") == "exit" and rank is not None and rank < world and step is not None:
-            out.steps.append((rank, float(p.get("monotonic", rec.ended)) - t0, step))
+            out.steps.append((rank, float(p.get("monotonic", rec.ended)) - t0, step_label(p, step)))
     return out
 
 
@@ -142,8 +143,16 @@ def _node_lanes(rec: RunRecord, nproc: int) -> Lanes:
     for p in rec.progress:
         n, step = _int(p.get("node")), _int(p.get("step"))
         if p.get("progress") == "exit" and n is not None and 0 <= n < nodes and step is not None:
-            out.steps.append((n, float(p.get("monotonic", rec.ended)) - t0, step))
+            out.steps.append((n, float(p.get("monotonic", rec.ended)) - t0, step_label(p, step)))
     return out
+
+
+def step_label(progress: dict[str, Any], step: int) -> str:
+    """The label at the end of a worker's bar. A step the script reported (``checkpoint(step)``,
+    ``run_elastic``) is the job's own number: ``step N``. The automatic count (optimizer steps)
+    starts at 0 in every process, so after a resume it is no step number of the job (a job
+    resumed from step 10 that ended at 40 counted 30): it says how many that process ran."""
+    return f"{step} steps run" if progress.get("source") == "auto" else f"step {step}"
 
 
 def _int(v: Any) -> Optional[int]:
@@ -185,8 +194,8 @@ def draw(rec: RunRecord, path: Path, world: int, *, title: str = "chaos run",
             ax.plot([t], [lane], marker="X", ms=11, color=FAULT, mec="white", zorder=5)
             ax.annotate(text, (t, lane), xytext=(5, 9 + 8 * (i % 2)), textcoords="offset points",
                         fontsize=8, color=FAULT, zorder=6)
-        for lane, t, step in lanes.steps:
-            ax.annotate(f"step {step}", (t, lane), xytext=(3, -13), textcoords="offset points",
+        for lane, t, label in lanes.steps:
+            ax.annotate(label, (t, lane), xytext=(3, -13), textcoords="offset points",
                         fontsize=7, color="#333333", zorder=6)
         ax.set_yticks(range(n), lanes.labels)
         ax.set_ylim(n - 0.4, -0.8)  # first lane on top, room for the labels above it

@@ -63,9 +63,12 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--max-restarts", "--max_restarts"), False,
      "worker group restarts before failing (default 0)"),
     (("--monitor-interval", "--monitor_interval"), False,
-     "seconds between worker health checks (default 0.1)"),
+     "accepted for torchrun's sake, without effect: a worker's exit is noticed at once "
+     "(pidfd), nothing polls"),
     (("--start-method", "--start_method"), False,
-     f"how workers start: {', '.join(START_METHODS)} (default spawn)"),
+     f"how workers start: {', '.join(START_METHODS)} (default: Python scripts are forked "
+     "from the preload server, other programs spawned; spawn, fork and forkserver each start "
+     "a fresh interpreter, as torchrun)"),
     (("--event-log-handler", "--event_log_handler"), False,
      "torch's event handler name; only 'null' is accepted: use --event-log PATH"),
     (("--role",), False, "user-defined role of the workers (default 'default')"),

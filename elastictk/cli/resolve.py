@@ -135,6 +135,9 @@ def _process(c: Flags) -> dict[str, Any]:
 def _restarts(c: Flags) -> dict[str, Any]:
     """Restart budget, health checks, start method, recovery mode, collective timeout."""
     ns = c.ns
+    if ns.monitor_interval is not None:
+        c.warnings.append("--monitor-interval has no effect: a worker's exit wakes the agent at once "
+                          "(pidfd), nothing polls; drop the flag")
     return dict(
         max_restarts=(0 if ns.max_restarts is None else parse_int(
             ns.max_restarts, c.at("max_restarts", "--max-restarts"), minimum=0)),

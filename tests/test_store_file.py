@@ -325,15 +325,43 @@ def test_a_dir_writable_by_group_or_others_is_refused(tmp_path: Path, mode: int)
 
 
 def test_a_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    """Root, which passes every permission check, refuses a directory user nobody made itself
+    (``setpriv``: a real second user, so the owner is whoever created it, as on a shared host)."""
     if os.geteuid() != 0:
-        pytest.skip("chown to another user needs root")
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o700)
-    os.chown(theirs, 65534, 65534)
+        pytest.skip("running a command as another user needs root (see the test below for any user)")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    # Started in ``shared``: nobody makes ``theirs`` there without traversing root's temp dirs.
+    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                    "mkdir", "-m", "0700", "theirs"], cwd=shared, check=True, timeout=30)
+    theirs = shared / "theirs"
+    assert theirs.stat().st_uid == 65534
     with pytest.raises(StoreError) as e:
         FileStore(theirs)
     msg = str(e.value)
     assert str(theirs) in msg and "owned by user id 65534" in msg and "\n" not in msg
+    assert os.listdir(theirs) == []  # refused before it wrote anything
+
+
+def test_a_dir_owned_by_another_user_is_refused_whoever_runs_it() -> None:
+    """The owner check for any user: ``/`` belongs to root (its mode lets no group or other
+    write, so only the owner check can name it). Run as root, user nobody (a forked child that
+    dropped root) opens it; otherwise the test's own user does."""
+    top = Path("/")
+    st = top.stat()
+    assert not stat.S_IMODE(st.st_mode) & (stat.S_IWGRP | stat.S_IWOTH)
+    if os.geteuid() == 0:
+        assert st.st_uid != 65534
+        msg = _error_as_nobody(top)
+    elif st.st_uid == os.geteuid():
+        pytest.skip("this user owns / (a container of its own): no directory of another user to open")
+    else:
+        with pytest.raises(StoreError) as e:
+            FileStore(top)
+        msg = str(e.value)
+    assert f"owned by user id {st.st_uid}" in msg and "not by the current user" in msg, msg
+    assert "\n" not in msg
 
 
 def test_a_dir_the_store_creates_passes_whatever_the_umask(tmp_path: Path) -> None:

@@ -89,8 +89,9 @@ def test_disk_keeps_the_two_newest_complete_steps_and_checks_files(tmp_path: Pat
     part.write_bytes(bytes(data))
     assert "__0_0.distcp: checksum" in (d.verify(6) or "")
     assert DcpDisk(str(tmp_path), 0, 2).complete_steps() == [6, 4]  # any world size reads them
-    assert DcpDisk(str(tmp_path), 0, 2).verify(6) is None  # of 2 ranks, rank 1 checks that file
-    assert "__0_0.distcp: checksum" in (DcpDisk(str(tmp_path), 1, 2).verify(6) or "")
+    # of 2 ranks, rank 0 checks the one tensor file; .metadata and skeleton.pt every rank checks
+    assert DcpDisk(str(tmp_path), 1, 2).verify(6) is None
+    assert "__0_0.distcp: checksum" in (DcpDisk(str(tmp_path), 0, 2).verify(6) or "")
 
 
 def test_a_step_without_its_marker_is_not_complete(tmp_path: Path) -> None:

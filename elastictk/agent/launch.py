@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 from ..cli.config import LaunchConfig
 from ..rendezvous import RendezvousConfig
-from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_OVERLAP, ENV_TIERS, default_memory
+from ..rendezvous.auth import Signer
+from ..rendezvous.sealed import derive_key
+from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_KEY, ENV_OVERLAP, ENV_TIERS, default_memory
 from ..supervisor.forkserver import PreloadServer
 from ..supervisor.spec import WorkerSpec
 from .outcome import Recovery
@@ -91,6 +93,13 @@ def snapshot_env(config: LaunchConfig) -> dict[str, str]:
     env = {ENV_TIERS: ",".join(config.snapshot), ENV_EVERY: str(config.snapshot_every)}
     if config.snapshot_dir:
         env[ENV_DIR] = config.snapshot_dir
+        # Seals the disk tier's steps. From the token and job id, not the run's nonce: a
+        # relaunch of the job restores the steps an earlier run wrote (--standalone draws a new
+        # job id each launch: the token alone there). No --rdzv-token, no key: --standalone's
+        # own token is random per launch; the directory checks remain (docs/security.md).
+        if config.rdzv_token:
+            job = "" if config.standalone else config.run_id
+            env[ENV_KEY] = derive_key(Signer(config.rdzv_token, job), "snapshot") or ""
     if config.snapshot_overlap:
         env[ENV_OVERLAP] = "1"
     return env

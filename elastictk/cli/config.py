@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..snapshot.settings import MIN_REGION
 from ..snapshot.settings import TIERS as SNAPSHOT_TIERS
+from ..snapshot.trust import usable_root
 from ..store.endpoint import Endpoint
 from .values import (
     BACKENDS, DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
@@ -86,6 +87,7 @@ class LaunchConfig:
     local_addr: str | None = None
     signals_to_handle: tuple[signal.Signals, ...] = DEFAULT_SIGNALS
     virtual_local_rank: bool = False
+    event_log_handler: str = "null"  # torch's events.handlers name (agent/torch_events.py)
     grace_period: float = DEFAULT_GRACE_PERIOD
     log_line_prefix_template: str | None = None
     # --logs-specs NAME: the torch LogsSpecs made from the torchrun.logs_specs entry point
@@ -266,6 +268,11 @@ def check_system(config: LaunchConfig) -> None:
     _check_script(c)
     if c.log_dir is not None and c.logs_specs is None:  # a --logs-specs class judges its own
         _check_writable_dir(c.log_dir, "--log-dir")
+    if c.snapshot_dir is not None and "disk" in c.snapshot:
+        why = usable_root(c.snapshot_dir)
+        if why is not None:
+            raise UsageError(f"--snapshot-dir {c.snapshot_dir}: {why}; pick a directory of your "
+                             "own that only you can write (it is created mode 0700 if missing)")
     if c.rdzv_path is not None:
         parent = os.path.dirname(os.path.abspath(c.rdzv_path))
         if not os.path.isdir(parent):

@@ -7,6 +7,7 @@ plain torchrun script gets the disk tier.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ ENV_REGION_SIZE = "ELASTICTK_SNAPSHOT_REGION_SIZE"  # bytes per local rank
 ENV_NOTIFY = "ELASTICTK_SNAPSHOT_NOTIFY"  # /proc/<agent pid>/fd/<fd>: a pipe, one byte per sealed slot
 DEFAULT_REPLICAS = 1
 ENV_OVERLAP = "ELASTICTK_SNAPSHOT_OVERLAP"  # "1": pipelined commits (overlap.py)
+ENV_KEY = "ELASTICTK_SNAPSHOT_KEY"  # seals the disk tier's COMPLETE (trust.py); from the job's token
 DEFAULT_EVERY = 10
 KEEP = 2  # complete disk snapshots kept
 PAGE = 4096
@@ -62,13 +64,20 @@ def parse_replicas(text: str, what: str) -> int:
     return n
 
 
-def parse_bytes(text: str, what: str) -> int:
-    """``1000000``, ``512M``, ``2G``, ``1.5GiB`` to bytes (decimal units; ``*iB`` binary)."""
+def parse_bytes(text: str, what: str, most: Optional[int] = None) -> int:
+    """``1000000``, ``512M``, ``2G``, ``1.5GiB`` to bytes (decimal units; ``*iB`` binary), at
+    least :data:`MIN_REGION` and at most ``most`` (default: this host's memory, what a memfd
+    of snapshots could ever hold)."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise SettingsError(f"{what}: give bytes, e.g. 2000000000, 512M or 2G")
-    value = int(float(m.group(1)) * _UNITS[unit])
+    most = host_memory() if most is None else most
+    amount = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(amount) or amount > most:
+        raise SettingsError(f"{what}: more than this host's memory ({human(most)}); give at most "
+                            f"{most}, e.g. 2G")
+    value = int(amount)
     if value < MIN_REGION:
         raise SettingsError(f"{what}: at least {MIN_REGION} bytes")
     return value
@@ -84,12 +93,17 @@ def parse_every(text: str, what: str) -> int:
     return n
 
 
+def host_memory() -> int:
+    """This host's memory in bytes."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):  # pragma: no cover
+        return 8 * 10**9
+
+
 def default_memory() -> int:
     """A quarter of this host's memory: the memfd is sparse, pages are used only when written."""
-    try:
-        return max(MIN_REGION, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
-    except (ValueError, OSError):  # pragma: no cover
-        return 2 * 10**9
+    return max(MIN_REGION, host_memory() // 4)
 
 
 def human(n: float) -> str:
@@ -116,6 +130,7 @@ class Settings:
     memory: int = 0  # the node's bound, for messages
     overlap: bool = False  # copy what the optimizer owns during the next step (overlap.py)
     notify: Optional[str] = None  # the agent's pipe, poked once a slot is sealed (the peer tier)
+    key: Optional[str] = None  # seals the disk tier's steps (trust.py); None: directory checks only
 
     @property
     def enabled(self) -> bool:
@@ -147,4 +162,4 @@ class Settings:
             raise SettingsError(f"{ENV_OVERLAP}={raw_overlap!r}: use 1 (pipelined commits) or 0")
         overlap_on = overlap if overlap is not None else raw_overlap in ("1", "true", "yes")
         return cls(names, directory, every, regions, size, memory, overlap_on,
-                   notify=env.get(ENV_NOTIFY) or None)
+                   notify=env.get(ENV_NOTIFY) or None, key=env.get(ENV_KEY) or None)

@@ -98,7 +98,8 @@ class Snapshotter:
                 say(f"rank {rank}: the local tier needs elastictk-run (its agent owns the memory); "
                     "writing " + ("the disk tier only" if "disk" in settings.tiers else "no snapshot"))
         on_disk = "disk" in settings.tiers
-        self.disk = DcpDisk(settings.directory, rank, world) if on_disk and settings.directory else None
+        self.disk = (DcpDisk(settings.directory, rank, world, key=settings.key)
+                     if on_disk and settings.directory else None)
         self._private: Optional[bytearray] = None
         self._last: Optional[tuple[int, int, int]] = None  # (step, slot or -1 private, length)
         self._thread: Optional[threading.Thread] = None
@@ -115,7 +116,7 @@ class Snapshotter:
             self.wait()
             self.rank, self.world = rank, world
             if self.disk is not None:
-                self.disk = DcpDisk(str(self.disk.root), rank, world)
+                self.disk = DcpDisk(str(self.disk.root), rank, world, key=self.settings.key)
 
     @property
     def active(self) -> bool:
@@ -223,6 +224,12 @@ class Snapshotter:
         if self.disk is not None:
             for s in self.disk.complete_steps():
                 out.setdefault(s, []).append(("disk", s))
+            if self.rank == 0:  # the ranks share the directory: one line per refusal
+                for s, why in sorted(self.disk.refused.items(), reverse=True):
+                    say(f"the snapshot directory {self.disk.root} is refused: {why}; nothing is "
+                        "restored from disk" if s < 0 else
+                        f"snapshot step {s} in {self.disk.root} refused: {why}; restoring an "
+                        "older verified step, if any")
         return out
 
     def _verify(self, step: int, sources: list[tuple[str, Any]], torn: list[str]

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .._safejson import Unreadable, loads_object
 from ..rendezvous import RoundInfo
 from ..rendezvous.auth import Signer
 from ..rendezvous.errors import RendezvousInterrupted, RendezvousStateError, RoundAbandoned
@@ -50,14 +51,15 @@ def seal(signer: Signer, name: str, body: dict[str, Any]) -> bytes:
 
 
 def unseal(signer: Signer, name: str, raw: bytes) -> dict[str, Any]:
-    """The JSON object at ``name``, its MAC checked; errors are one line naming the key."""
+    """The JSON object at ``name``, its MAC checked over the raw bytes before they are parsed
+    (and again over the parsed record); errors are one line naming the key."""
+    raw = bytes(raw)
+    signer.check_raw(name, raw)
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        data = None
-    if not isinstance(data, dict):
+        data = loads_object(raw)
+    except Unreadable as e:
         raise RendezvousStateError(f"store key {name!r} holds {len(raw)} bytes that are not a JSON "
-                                   "object; use a fresh --rdzv-id or clear the store")
+                                   f"record ({e}); use a fresh --rdzv-id or clear the store") from None
     body = signer.check(name, data)
     return {k: v for k, v in body.items() if k != "mac"}
 
@@ -79,9 +81,9 @@ class FailureNote:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "FailureNote":
+        """The note in ``raw``; never raises: bytes that are not a note read as an unreadable one."""
         try:
-            data = json.loads(raw)
-            return cls.from_record(data)
+            return cls.from_record(loads_object(raw))
         except (ValueError, KeyError, TypeError):
             return cls("?", f"unreadable failure note ({len(raw)} bytes)")
 
@@ -112,12 +114,22 @@ class Decision:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Decision":
-        return cls.from_record(json.loads(raw))
+        """The decision in ``raw``; ValueError (one line) for anything else."""
+        try:
+            return cls.from_record(loads_object(raw))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"decision record: expected action, restart_count and reason ({e!r} "
+                             f"missing or of the wrong type)") from None
 
     @classmethod
     def from_record(cls, data: Any) -> "Decision":
-        return cls(DecisionAction(str(data["action"])), int(data["restart_count"]), str(data["reason"]),
-                   float(data.get("delay_s", 0.0)))
+        """KeyError/TypeError for a missing or mistyped field, ValueError for a bad value."""
+        count, delay = data["restart_count"], data.get("delay_s", 0.0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"decision record: restart_count {str(count)[:40]!r} is not a count")
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 1e9:
+            raise ValueError(f"decision record: delay_s {str(delay)[:40]!r} is not seconds")
+        return cls(DecisionAction(str(data["action"])), count, str(data["reason"])[:2000], float(delay))
 
 
 def node_ranges(info: RoundInfo, role: str, nproc: int) -> list[NodeRanks]:
@@ -128,13 +140,14 @@ def node_ranges(info: RoundInfo, role: str, nproc: int) -> list[NodeRanks]:
 
 
 def agree_master(info: RoundInfo, addr: str, timeout: float, records: Records | None = None,
-                 stop: Callable[[], bool] | None = None) -> tuple[str, int]:
+                 stop: Callable[[], bool] | None = None, port: int | None = None) -> tuple[str, int]:
     """MASTER_ADDR/PORT for the workers' own store: group rank 0 picks them and tells the others
     (a sealed record: a value that does not verify is waited past, never used). ``stop()``
-    true (the agent was signalled) ends the wait with :class:`RendezvousInterrupted`."""
+    true (the agent was signalled) ends the wait with :class:`RendezvousInterrupted`. ``port``:
+    rank 0's store already listening there (agent/master.py), else a free port."""
     rec = records or Records(info.store, info.store_prefix, _OPEN)
     if info.rank == 0:
-        port = free_port(addr if is_ip(addr) else "0.0.0.0")
+        port = port or free_port(addr if is_ip(addr) else "0.0.0.0")
         rec.write("master", {"addr": addr, "port": port})
         return addr, port
     data = rec.wait("master", timeout, stop=stop)

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
+from .._safejson import Unreadable, loads_object
 from ..inplace.protocol import Generation, Sealer, gen_key, newest_sealed
 from ..rendezvous import RoundInfo
 from ..rendezvous.auth import Signer
@@ -54,17 +55,21 @@ class Setup:
     @classmethod
     def from_json(cls, raw: bytes) -> "Setup":
         try:
-            return cls.from_record(json.loads(raw))
-        except ValueError:
+            return cls.from_record(loads_object(raw))
+        except Unreadable:
             raise StoreError(f"in-place setup record {STORE_KEY!r}: expected JSON with endpoint, "
                              f"prefix, gen and keep, got {raw[:80]!r}") from None
 
     @classmethod
     def from_record(cls, d: object) -> "Setup":
         try:
-            assert isinstance(d, dict)
-            return cls(str(d["endpoint"]), str(d["prefix"]), int(d["gen"]), bool(d["keep"]))
-        except (AssertionError, ValueError, KeyError, TypeError):
+            if not isinstance(d, dict):
+                raise TypeError("not an object")
+            gen = d["gen"]
+            if isinstance(gen, bool) or not isinstance(gen, int) or gen < 0:
+                raise ValueError("gen")
+            return cls(str(d["endpoint"])[:300], str(d["prefix"])[:300], gen, bool(d["keep"]))
+        except (ValueError, KeyError, TypeError):
             raise StoreError(f"in-place setup record {STORE_KEY!r}: expected JSON with endpoint, "
                              f"prefix, gen and keep, got {str(d)[:80]!r}") from None
 

@@ -249,7 +249,11 @@ class StragglerWatch:
     def _score(self) -> None:
         windows: list[RankWindow] = []
         for node in self.members:
-            rec = self.records.read(key(node))
+            try:
+                rec = self.records.read(key(node))
+            except RendezvousStateError as e:  # garbage (no token): ignored, never the end of the watch
+                self.records.ignored(key(node), str(e))
+                continue
             if rec is None:
                 continue
             seq = rec.get("seq")

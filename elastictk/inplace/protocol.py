@@ -36,12 +36,21 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+from .._safejson import MAX_RECORD_BYTES, loads_object
+
 ENV_STORE = "ELASTICTK_INPLACE_STORE"
 ENV_PREFIX = "ELASTICTK_INPLACE_PREFIX"
 ENV_NODE = "ELASTICTK_INPLACE_NODE"  # the worker's agent (node id): its key in ``Generation.nodes``
 ENV_FIRST_GEN = "ELASTICTK_INPLACE_FIRST_GEN"  # a joining worker's first generation
 ENV_KEY = "ELASTICTK_INPLACE_KEY"  # token jobs: the run's in-place key (derived, not the token)
 SCHEMA = "elastictk.inplace-generation/1"
+
+def _count(value: object) -> int:
+    """A whole number from a record; TypeError for anything else (a string, a float, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(value).__name__} is not a whole number")
+    return value
+
 
 def newest(present: Callable[[int], bool], known: int) -> int:
     """The newest generation whose record is there (and, token jobs, verifies), given that
@@ -145,6 +154,8 @@ class Sealer:
         if raw is None or self._key is None:
             return raw
         raw = bytes(raw)
+        if len(raw) > MAX_RECORD_BYTES + _MAC_LEN + 1:
+            raw = b""  # larger than any record: fails the MAC check below, unread
         mac, sep, value = raw[:_MAC_LEN], raw[_MAC_LEN:_MAC_LEN + 1], raw[_MAC_LEN + 1:]
         if sep == b":" and hmac.compare_digest(mac, self._mac(key, value)):
             return value
@@ -208,15 +219,19 @@ class Generation:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Generation":
+        """The record in ``raw``; ValueError (one line) for anything else (parsed safely: a
+        nested, huge or non-finite value is refused, never a RecursionError)."""
         try:
-            d = json.loads(raw)
+            d = loads_object(raw)
             if d.get("schema") != SCHEMA:
                 raise ValueError("schema")
-            g = cls(int(d["gen"]), int(d["world_size"]), int(d.get("restart_count", 0)),
-                    str(d.get("reason", "")),
-                    {str(k): int(v) for k, v in dict(d.get("nodes") or {}).items()},
+            nodes = d.get("nodes") or {}
+            if not isinstance(nodes, dict):
+                raise TypeError("nodes")
+            g = cls(_count(d["gen"]), _count(d["world_size"]), _count(d.get("restart_count", 0)),
+                    str(d.get("reason", ""))[:2000], {str(k): _count(v) for k, v in nodes.items()},
                     bool(d.get("finished", False)))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError):
             raise ValueError(f"in-place generation record: expected JSON with schema {SCHEMA!r}, "
                              f"got {raw[:80]!r}") from None
         if g.gen < 0 or g.world_size < 1 or g.restart_count < 0 or any(

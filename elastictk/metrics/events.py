@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from .._safejson import loads
+
 log = logging.getLogger("elastictk.metrics")
 
 FILE_NAME = "events.jsonl"
@@ -230,11 +232,11 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw)
+                record = loads(raw, max_bytes=None)  # bounded by the line: read already
                 if not isinstance(record, dict) or "kind" not in record:
                     raise ValueError("no 'kind'")
                 event = _event(record)
-            except (ValueError, TypeError, KeyError, RecursionError) as e:
+            except (ValueError, TypeError, KeyError, OverflowError) as e:
                 if not complete:  # only the last line can lack its newline
                     log.warning("event log %s:%d: skipped a torn last line (%d bytes without a newline: "
                                 "its writer was killed mid-line)", p, number, len(raw))

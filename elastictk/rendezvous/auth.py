@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from typing import Any
 
 from .errors import RendezvousAuthError
@@ -22,6 +23,11 @@ from .errors import RendezvousAuthError
 MAC_FIELD = "mac"
 ALG = "hmac-sha256"
 CONTEXT = b"elastictk-seal/1"  # the MAC's domain: bumped if what it covers ever changes
+MAC_HEX = 64  # hex digits of HMAC-SHA256: a MAC of any other length is no MAC
+
+# The MAC member as it appears in a sealed record's bytes (keys sorted, no spaces).
+_MAC_MEMBER = re.compile(rb'"mac":"([0-9a-f]{%d})"' % MAC_HEX)
+_MAX_CANDIDATES = 4  # a record of the job's has one such member at its top level
 
 
 def canonical(body: dict[str, Any]) -> bytes:
@@ -58,21 +64,61 @@ class Signer:
         return dict(body, **{MAC_FIELD: self.mac(key, body)}) if self._key else dict(body)
 
     def verify(self, key: str, body: dict[str, Any]) -> bool:
+        """Whether the parsed record ``body`` carries this run's MAC for ``key`` (all of its
+        64 digits: a prefix, an empty or a longer MAC is refused)."""
         if self._key is None:
             return True
         got = body.get(MAC_FIELD)
-        return isinstance(got, str) and hmac.compare_digest(got, self.mac(key, body))
+        return (isinstance(got, str) and len(got) == MAC_HEX and got.isascii()
+                and hmac.compare_digest(got, self.mac(key, body)))
+
+    def verify_raw(self, key: str, raw: bytes) -> bool:
+        """Whether the bytes ``raw`` are a record sealed for ``key``, checked before any parser
+        sees them: the canonical JSON the MAC covers is ``raw`` without its ``"mac":"<hex>"``
+        member (and the comma beside it), since a sealed record is that same JSON with the
+        member put in its sorted place. A hostile value (nested, huge, garbled) fails here,
+        unparsed. The parsed record must still pass :meth:`verify`."""
+        if self._key is None:
+            return True
+        head = b"\n".join((CONTEXT, self.job_id.encode(), self.run.encode(), key.encode()))
+        for i, m in enumerate(_MAC_MEMBER.finditer(raw)):
+            if i == _MAX_CANDIDATES:
+                break
+            start, end = m.span()
+            before, after = raw[start - 1:start], raw[end:end + 1]
+            if before == b"," and after in (b",", b"}"):
+                canonical_raw = raw[:start - 1] + raw[end:]
+            elif before == b"{" and after == b",":
+                canonical_raw = raw[:start] + raw[end + 1:]
+            elif before == b"{" and after == b"}":
+                canonical_raw = raw[:start] + raw[end:]
+            else:
+                continue
+            want = hmac.new(self._key, head + b"\n" + canonical_raw, hashlib.sha256).hexdigest()
+            if hmac.compare_digest(m.group(1), want.encode()):
+                return True
+        return False
+
+    def check_raw(self, key: str, raw: bytes) -> bytes:
+        """``raw`` if :meth:`verify_raw` holds, else :class:`RendezvousAuthError` naming the key."""
+        if not self.verify_raw(key, raw):
+            raise self._refused(key)
+        return raw
 
     def check(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` if its MAC is right, else :class:`RendezvousAuthError` naming the key."""
         if not self.verify(key, body):
-            raise RendezvousAuthError(
-                f"store key {key!r} is not signed with this node's rendezvous token for this run "
-                "(forged, replayed from another run, or written by a node with another "
-                "--rdzv-token): give every node the job's token (ELASTICTK_RDZV_TOKEN) or use a "
-                "fresh --rdzv-id"
-            )
+            raise self._refused(key)
         return body
+
+    @staticmethod
+    def _refused(key: str) -> RendezvousAuthError:
+        return RendezvousAuthError(
+            f"store key {key!r} is not signed with this node's rendezvous token for this run "
+            "(forged, replayed from another run, garbled, or written by a node with another "
+            "--rdzv-token): give every node the job's token (ELASTICTK_RDZV_TOKEN) or use a "
+            "fresh --rdzv-id"
+        )
 
     def admit(self, key: str, stamp: dict[str, Any], job_id: str, node_id: str) -> None:
         """Raise :class:`RendezvousAuthError` unless this node may join the job stamped so."""

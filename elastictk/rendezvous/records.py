@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._safejson import Unreadable, loads
 from .auth import Signer
 from .errors import RendezvousStateError
 
@@ -94,17 +95,20 @@ def _dump(body: dict[str, Any], signer: Signer = _OPEN, key: str = "") -> bytes:
 
 
 def _load(key: str, raw: bytes, signer: Signer = _OPEN) -> dict[str, Any]:
-    """The record at ``key``: never unpickled, only JSON; errors name the key."""
+    """The record at ``key``: never unpickled, only JSON; with a token its MAC is checked over
+    the raw bytes before they are parsed, and again over what was parsed; errors name the key."""
+    raw = bytes(raw)
+    signer.check_raw(key, raw)
     return signer.check(key, _parse(key, raw))
 
 
 def _parse(key: str, raw: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = loads(raw)
+    except Unreadable as e:
         raise RendezvousStateError(
-            f"store key {key!r} holds {len(raw)} bytes that are not JSON; another program "
-            "shares this store and job id: use a fresh --rdzv-id or clear the store"
+            f"store key {key!r} holds {len(raw)} bytes that are not a JSON record ({e}); another "
+            "program shares this store and job id: use a fresh --rdzv-id or clear the store"
         ) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__

@@ -16,9 +16,15 @@ Wire format of a sealed record (UTF-8 JSON, keys sorted, no spaces)::
 
 where ``run`` is the run's nonce (32 hex digits, in the job's ``auth`` record, which is
 itself sealed with ``run`` empty) and the canonical JSON is the record without ``mac``,
-keys sorted, separators ``,``/``:``. Without a token the same JSON has no ``mac`` and is
-believed as is (as torchrun believes its store); bytes that are not a JSON object are then
-an error naming the key, except where a watch thread reads them (it logs and wakes the agent).
+keys sorted, separators ``,``/``:``: the record's own bytes with the ``"mac":"<hex>"``
+member (and one comma beside it) cut out. So a reader checks the MAC over the raw bytes
+before any parser sees them (:meth:`~elastictk.rendezvous.auth.Signer.verify_raw`), then
+parses (:mod:`elastictk._safejson`: at most :data:`~elastictk._safejson.MAX_RECORD_BYTES`,
+nesting, NaN/Infinity refused) and checks the parsed record's MAC again. A value larger,
+nested deeper, garbled or wrongly typed is absent like a forged one. Without a token the
+same JSON has no ``mac`` and is believed as is (as torchrun believes its store); bytes that
+are not a JSON object (by the same safe parser) are then an error naming the key, except
+where a watch thread reads them (it logs and wakes the agent, or ignores them).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import secrets
 import time
 from typing import Any, Callable
 
+from .._safejson import Unreadable, loads_object
 from ..store import Store, StoreError, StoreTimeout
 from .auth import MAC_FIELD, Signer
 from .errors import RendezvousStateError
@@ -94,14 +101,21 @@ class Records:
         :class:`RendezvousStateError` naming the key."""
         if raw is None:
             return None
-        data = _json_object(raw)
-        if data is None:
+        raw = bytes(raw)
+        if self.signer.enabled and not self.signer.verify_raw(self.name(key), raw):
+            self.ignored(key, f"{len(raw)} bytes not signed with this job's rendezvous token for this "
+                         "run (forged, replayed, garbled, or written by a node with another --rdzv-token)")
+            return None
+        try:
+            data = loads_object(raw)
+        except Unreadable as e:
             if self.signer.enabled:
-                self.ignored(key, f"{len(raw)} bytes that are not a sealed JSON record")
+                self.ignored(key, f"{len(raw)} bytes that are not a sealed JSON record: {e}")
                 return None
             raise RendezvousStateError(
-                f"store key {self.name(key)!r} holds {len(raw)} bytes that are not a JSON object; "
-                "another program shares this store and job id: use a fresh --rdzv-id or clear the store")
+                f"store key {self.name(key)!r} holds {len(raw)} bytes that are not a JSON record ({e}); "
+                "another program shares this store and job id: use a fresh --rdzv-id or clear the store"
+            ) from None
         if not self.signer.verify(self.name(key), data):
             self.ignored(key, "not signed with this job's rendezvous token for this run (forged, "
                          "replayed, or written by a node with another --rdzv-token)")
@@ -175,11 +189,3 @@ class Records:
                     pass
             else:  # present but not believed: the store cannot wait for a change, so poll
                 time.sleep(min(left, poll))
-
-
-def _json_object(raw: bytes) -> dict[str, Any] | None:
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None

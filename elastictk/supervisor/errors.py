@@ -29,6 +29,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, ParamSpec, TypeVar
 
+from .._safejson import Unreadable, loads
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 # A traceback of a deep recursion is ~100 KiB; anything far past this is not an error file.
@@ -111,8 +113,8 @@ def _int_or_none(value: Any) -> Optional[int]:
         return int(value)
     if isinstance(value, str):
         try:
-            return int(float(value.strip()))
-        except ValueError:
+            return int(float(value.strip()[:40]))
+        except (ValueError, OverflowError):  # "1e999", "nan": not a time
             return None
     return None
 
@@ -167,12 +169,10 @@ def read_error_file(path: str) -> Optional[ErrorRecord]:
         raise ErrorFileUnreadable(path, f"larger than {MAX_ERROR_FILE_BYTES} bytes")
     if not blob.strip():
         raise ErrorFileUnreadable(path, "the file is empty (the worker died while writing it?)")
-    try:
-        data = json.loads(blob.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError as e:
-        raise ErrorFileUnreadable(
-            path, f"not valid JSON (truncated?): {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
+    try:  # a worker's file, but any process of the user may have written it: parsed safely
+        data = loads(blob.decode("utf-8", errors="replace"), max_bytes=None)
+    except Unreadable as e:
+        raise ErrorFileUnreadable(path, f"{e} (truncated?)") from None
     return parse_error_payload(data, path)
 
 

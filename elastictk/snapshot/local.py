@@ -19,9 +19,12 @@ A commit writes the slot that is not active: its meta goes to WRITING first (the
 snapshot it held is given up), then the data, then the meta (step, length, rank, world),
 then READY, then ``active`` flips to it: a worker killed at any point leaves the other slot's
 snapshot intact. The checksum of the data (:func:`~.codec.checksum`) is computed afterwards by a
-background thread and marked ``checked``; a slot published but not yet checked was complete
-before it was published. A worker given ``ELASTICTK_SNAPSHOT_NOTIFY`` (the write end of a pipe
-its agent reads, for the peer tier) then writes one byte there, so the agent ships the slot.
+background thread and marked ``checked``. A slot published but never checked (its worker was
+killed in between) is not restored: nothing can tell its bytes from bytes changed since, and a
+restore that trusted it could load wrong weights, or fail to decode it on every restart; the
+other slot, one commit older, is restored instead (:meth:`Region.verify` says why). A worker
+given ``ELASTICTK_SNAPSHOT_NOTIFY`` (the write end of a pipe its agent reads, for the peer
+tier) then writes one byte there, so the agent ships the slot.
 """
 from __future__ import annotations
 
@@ -139,6 +142,11 @@ class Region:
                               "agent and the worker run different elastictk versions")
         self.size, self.memory, self.local_world = size, memory, local_world
         self.slot_size = U64.unpack_from(self.mm, OFF_SLOT_SIZE)[0]
+        if self.slot_size != slot_size(size):
+            self.mm.close()
+            raise HolderError(f"{path}: the region's slot size {self.slot_size} is not that of a "
+                              f"{size}-byte region ({slot_size(size)}); the agent and the worker "
+                              "disagree on --snapshot-memory or the region was overwritten")
 
     # -- header ---------------------------------------------------------------------------------
     @property
@@ -169,7 +177,7 @@ class Region:
 
     def begin(self) -> int:
         """The slot to write next, given up (WRITING) before a byte of it changes."""
-        i = 0 if self.active < 0 else 1 - self.active
+        i = 1 - self.active if self.active in (0, 1) else 0
         self._set_state(i, WRITING)
         U32.pack_into(self.mm, OFF_ORIGIN + ORIGIN_SIZE * i, 0)
         return i
@@ -234,9 +242,9 @@ class Region:
         return sorted(out, key=lambda m: m.seq, reverse=True)
 
     def verify(self, m: SlotMeta) -> Optional[str]:
-        """None if slot ``m`` is whole, else why not."""
+        """None if slot ``m`` is whole (its checksum stored and matching), else why not."""
         if not m.checked:
-            return None  # published after its copy finished; killed before the sum was stored
+            return "never checksummed: its worker was killed before the check"
         self.populate(m)
         digest = checksum(self.data(m.index)[:m.length])
         if digest != m.digest:

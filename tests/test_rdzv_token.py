@@ -183,3 +183,30 @@ def test_a_forged_leave_mark_is_not_believed_a_signed_one_is(connect_store: Call
         a.close()
         b.close()
         raw.close()
+
+
+# --- an empty token is refused, never a job without authentication -------------------------------
+
+@pytest.mark.parametrize("argv,environ,names", [
+    (["--rdzv-token", ""], {}, "--rdzv-token is empty"),
+    (["--rdzv-token", "  "], {}, "--rdzv-token is empty"),
+    ([], {"ELASTICTK_RDZV_TOKEN": ""}, "ELASTICTK_RDZV_TOKEN is set but empty"),
+    ([], {"ELASTICTK_RDZV_TOKEN": " \t"}, "ELASTICTK_RDZV_TOKEN is blank"),
+], ids=["flag", "flag-blank", "env", "env-blank"])
+def test_an_empty_token_is_refused_in_one_line_with_exit_2(argv: list[str], environ: dict[str, str],
+                                                           names: str) -> None:
+    from elastictk.cli.args import main_for_test
+
+    code, err, config = main_for_test([*argv, "--nnodes", "1", "train.py"], environ)
+    assert code == 2 and config is None, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "without authentication" in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_a_token_in_the_flag_or_the_environment_is_taken() -> None:
+    from elastictk.cli.args import parse_args
+
+    assert parse_args(["--rdzv-token", "t0k", "train.py"], {}, check=False).rdzv_token == "t0k"
+    assert parse_args(["train.py"], {"ELASTICTK_RDZV_TOKEN": "t0k"}, check=False).rdzv_token == "t0k"
+    assert parse_args(["train.py"], {}, check=False).rdzv_token is None

@@ -25,6 +25,7 @@ from .values import (
 )
 
 PROG = "elastictk-run"
+TOKEN_ENV = "ELASTICTK_RDZV_TOKEN"  # --rdzv-token's variable (the parser reads ELASTICTK_<DEST>)
 
 
 def config_from_namespace(
@@ -124,12 +125,28 @@ def _process(c: Flags) -> dict[str, Any]:
     role = ns.role if ns.role is not None else "default"
     if not role.strip():
         raise UsageError("--role is empty: give the workers' role a name")
-    token = ns.rdzv_token
+    token = _token(ns.rdzv_token, c.env)
     if token is not None and not isinstance(token, EnvText):
         c.warnings.append("--rdzv-token on the command line is visible to every user of this "
                           "host (ps); prefer the ELASTICTK_RDZV_TOKEN environment variable")
     return dict(local_addr=local_addr, signals_to_handle=signals, grace_period=grace, role=role,
                 rdzv_token=token or None)
+
+
+def _token(token: str | None, env: Mapping[str, str]) -> str | None:
+    """The job token; an empty (or blank) one is refused: it would run the job without any
+    authentication while the user asked for it."""
+    if token is None and env.get(TOKEN_ENV) is not None and not env[TOKEN_ENV].strip():
+        raise UsageError(f"{TOKEN_ENV} is set but empty: the job would run without authentication; "
+                         "set it to the job's secret token, or unset it to run without one")
+    if token is not None and not token.strip():
+        if isinstance(token, EnvText):
+            raise UsageError(f"{token.env} is blank: the job would run without authentication; set "
+                             "it to the job's secret token, or unset it to run without one")
+        raise UsageError("--rdzv-token is empty: the job would run without authentication; give the "
+                         f"job's secret token (prefer the environment variable {TOKEN_ENV}), or drop "
+                         "the flag to run without one")
+    return token
 
 
 def _restarts(c: Flags) -> dict[str, Any]:

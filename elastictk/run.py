@@ -129,10 +129,22 @@ def _run(config: LaunchConfig, server: "PreloadServer | None", *,
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return None
         agent.config.join_watchers = join_watchers
+        from .agent.torch_events import record_agent_end
+
+        bridge = getattr(agent, "torch_events")
         try:
-            return agent.run()
+            result = agent.run()
+        except BaseException:
+            record_agent_end(bridge, False)
+            raise
         finally:
             handle.close()
+        # torchrun's launcher: SUCCEEDED when the agent's run returned, whatever its workers
+        # did (their failure is in the per-worker events); FAILED when it ended by a signal or
+        # an error of its own (rendezvous, store).
+        record_agent_end(bridge, result.state in ("succeeded", "finished-elsewhere")
+                         or (result.state == "failed" and result.report is not None))
+        return result
     finally:
         telemetry.close()
 

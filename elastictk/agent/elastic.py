@@ -40,6 +40,7 @@ from .health import HealthWatch, check_settings, check_timeout, run_check
 from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
 from .excluded import ExclusionGate
 from .exclusion import ExclusionSettings
+from .master import WorkersStore
 from .inplace import InPlaceRound, open_round
 from .inplace_host import InPlaceHost, started_key
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
@@ -105,6 +106,9 @@ class AgentConfig:
     health_interval: float = 60.0
     stragglers: StragglerSettings | None = None  # --straggler-*: name the rank the others wait for
     exclusion: ExclusionSettings | None = None  # --exclude-after/-cooldown: bad hosts out (excluded.py)
+    # The workers' MASTER_ADDR/PORT and TORCHELASTIC_USE_AGENT_STORE as torchrun sets them
+    # (agent/master.py; the caller closes it); None: a free port of group rank 0, False.
+    workers_store: WorkersStore | None = None
 
     def __post_init__(self) -> None:
         self.recovery = Recovery(self.recovery)  # ValueError names a value that is neither
@@ -686,13 +690,19 @@ class ElasticAgent:
         assert self.handler is not None
         # Group rank 0 publishes it as soon as the round closes; longer than a heartbeat timeout
         # means it is gone, and waiting the join timeout for it would stall every other node.
-        master_addr, master_port = agree_master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
-                                                self.handler.records.view(info.store, info.store_prefix),
-                                                stop=lambda: self._stop_reason() is not None)
+        records = self.handler.records.view(info.store, info.store_prefix)
+        stop = lambda: self._stop_reason() is not None  # noqa: E731
+        ws = cfg.workers_store  # torchrun's agent store per backend (agent/master.py)
+        if ws is not None:
+            master_addr, master_port = ws.master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
+                                                 records, stop)
+        else:
+            master_addr, master_port = agree_master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
+                                                    records, stop=stop)
         return Assignment.from_node_ranks(
             info.rank, info.world_size, ranks[info.rank], master_addr=master_addr,
             master_port=master_port, run_id=cfg.rdzv.job_id, restart_count=restarts,
-            max_restarts=cfg.max_restarts, use_agent_store=False,
+            max_restarts=cfg.max_restarts, use_agent_store=ws is not None and ws.use_agent_store,
         )
 
     def _steps_block(self) -> WorkerStepsBlock | None:

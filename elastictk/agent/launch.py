@@ -6,15 +6,20 @@ wants other semantics builds an :class:`AgentConfig` itself (see ``docs/launcher
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 from ..cli.config import LaunchConfig
 from ..rendezvous import RendezvousConfig
+from ..rendezvous.backends import StoreHandle
 from ..rendezvous.auth import Signer
 from ..rendezvous.sealed import derive_key
 from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_KEY, ENV_OVERLAP, ENV_TIERS, default_memory
 from ..supervisor.forkserver import PreloadServer
 from ..supervisor.spec import WorkerSpec
+from ..metrics.kinds import Emit, EventKind
+from .master import WorkersStore
+from .torch_events import TorchEvents
 from .outcome import Recovery
 from .policy import Backoff, RestartPolicy
 from .exclusion import ExclusionSettings
@@ -22,7 +27,6 @@ from .stragglers import StragglerSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..metrics import Telemetry
-    from ..rendezvous.backends import StoreHandle
     from .elastic import ElasticAgent
 
 
@@ -41,8 +45,13 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
     handle = open_store(
         config.rdzv_backend, endpoint or "", is_host=True if config.standalone else config.is_host,
         timeout=float(conf.get("read_timeout", conf.get("timeout", 60.0))), node_rank=config.node_rank,
-        conf=conf,
+        conf=conf, single_node=config.max_nodes == 1, local_addr=config.local_addr,
     )
+    workers_store = _workers_store(config, handle)
+    handle.owned.append(workers_store)
+    torch_events = TorchEvents(config.event_log_handler, run_id=config.run_id, role=config.role,
+                               entrypoint=os.path.basename(config.entrypoint[0]) if config.entrypoint else "",
+                               backend=config.rdzv_backend, max_restarts=config.max_restarts)
     hb = float(conf.get("heartbeat_interval", 1.0))
     rdzv = RendezvousConfig(
         job_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
@@ -61,7 +70,9 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         log_line_prefix_template=config.log_line_prefix_template, logs_specs=config.logs_specs,
-        env={**(telemetry.worker_env() if telemetry is not None else {}), **snapshot_env(config)},
+        virtual_local_rank=config.virtual_local_rank,
+        env={**(telemetry.worker_env() if telemetry is not None else {}), **snapshot_env(config),
+             **launcher_env(config)},
     )
     agent_cfg = AgentConfig(
         spec=spec, rdzv=rdzv, policy=policy, max_restarts=config.max_restarts,
@@ -72,17 +83,49 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
         exclusion=ExclusionSettings(config.exclude_after, config.exclude_cooldown,
                                     stragglers=config.straggler_action == "exclude"),
         log_dir=config.log_dir, local_addr=config.local_addr, hosts_store=handle.is_host,
-        on_event=telemetry.on_event if telemetry is not None else None,
+        on_event=_fan_out(telemetry.on_event if telemetry is not None else None, torch_events),
         collective_timeout=config.collective_timeout,
         progress_timeout=config.progress_timeout, startup_timeout=config.startup_timeout,
         steps=telemetry.steps if telemetry is not None else None,
         recovery=Recovery(config.recovery), standby=config.standby,
         snapshot_memory=(config.snapshot_memory or default_memory()) if "local" in config.snapshot else None,
         snapshot_replicas=config.snapshot_replicas if "peer" in config.snapshot else 0,
+        workers_store=workers_store,
     )
     agent = ElasticAgent(agent_cfg, handle.store, store_endpoint=handle.endpoint,
                          preload_server=preload_server)
+    torch_events.assignment = lambda: agent._assignment_now
+    agent.torch_events = torch_events  # type: ignore[attr-defined]  # run.py records the end
     return agent, handle
+
+
+def _fan_out(*emits: Emit | None) -> Emit:
+    """One ``on_event`` calling each of ``emits`` in turn (elastictk's log, then torch's API)."""
+    chain = [e for e in emits if e is not None]
+
+    def emit(kind: EventKind, **fields: Any) -> None:
+        for e in chain:
+            e(kind, **fields)
+
+    return emit
+
+
+def _workers_store(config: LaunchConfig, handle: StoreHandle) -> WorkersStore:
+    """torchrun's agent store for the workers: static's is the rendezvous store itself, at the
+    endpoint's host and the port it listens on (port 0: the one it got)."""
+    ep = config.rdzv_endpoint
+    fixed = None
+    if config.rdzv_backend == "static" and ep is not None:
+        port = getattr(handle.store, "port", ep.port) if handle.is_host else ep.port
+        fixed = (ep.host, int(port))
+    return WorkersStore.for_backend(config.rdzv_backend, fixed, root=handle.store)
+
+
+def launcher_env(config: LaunchConfig) -> dict[str, str]:
+    """What torchrun's launcher puts in its own environment for the workers to inherit:
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``, the ``--signals-to-handle`` names comma-separated (the
+    form torch's ``PContext`` reads back)."""
+    return {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s.name for s in config.signals_to_handle)}
 
 
 def snapshot_env(config: LaunchConfig) -> dict[str, str]:

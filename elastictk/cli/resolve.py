@@ -42,6 +42,7 @@ def config_from_namespace(
     _refuse_unsupported(c)
     rdzv = resolve_rendezvous(c)
     parts = [rdzv.fields(), _entrypoint(c), _output(c, rdzv.nproc), _process(c), _restarts(c),
+             _virtual_local_rank(c, rdzv.nproc), _event_log_handler(c),
              _metrics(c), _restart_policy(c), _snapshots(c), _stragglers(c), _exclusion(c)]
     config = LaunchConfig(
         **{k: v for part in parts for k, v in part.items()},
@@ -59,12 +60,22 @@ def _refuse_unsupported(c: Flags) -> None:
     """torchrun flags elastictk-run does not take, refused by name."""
     if c.ns.numa_binding:
         raise UsageError(f"--numa-binding is not supported by {PROG}; leave it out")
-    handler = c.ns.event_log_handler
-    if handler is not None and handler.strip() != "null":
-        raise UsageError(
-            f"{c.at('event_log_handler', '--event-log-handler')}: torch event handlers are not "
-            "supported; use --event-log PATH for a JSON-lines event log"
-        )
+
+
+def _event_log_handler(c: Flags) -> dict[str, Any]:
+    """``--event-log-handler NAME``: a handler registered in torch's ``events.handlers`` (torch
+    itself fails with a KeyError at its first event); ``null`` and ``console`` always are."""
+    name = (c.ns.event_log_handler or "null").strip()
+    if name not in ("null", "console"):
+        from torch.distributed.elastic.events import handlers
+
+        known = sorted(handlers._log_handlers)
+        if name not in known:
+            raise UsageError(f"{c.at('event_log_handler', '--event-log-handler')}: no torch event "
+                             f"handler of that name is registered (known: {', '.join(known)}); "
+                             "register it in torch.distributed.elastic.events.handlers before "
+                             "the launch, or use --event-log PATH for a JSON-lines event log")
+    return dict(event_log_handler=name)
 
 
 def _entrypoint(c: Flags) -> dict[str, Any]:
@@ -163,7 +174,6 @@ def _restarts(c: Flags) -> dict[str, Any]:
         start_method_given=ns.start_method is not None,
         start_method=parse_choice(ns.start_method or "spawn",
                                   c.at("start_method", "--start-method"), START_METHODS),
-        virtual_local_rank=c.on("virtual_local_rank", "--virtual-local-rank"),
         recovery=parse_choice(ns.recovery or "restart-all", c.at("recovery", "--recovery"),
                               RECOVERY_MODES),
         standby=parse_choice(ns.standby or "0", c.at("standby", "--standby"), ("0", "1")) == "1",
@@ -176,6 +186,19 @@ def _restarts(c: Flags) -> dict[str, Any]:
         startup_timeout=_off_or_seconds(ns.startup_timeout, None,
                                         c.at("startup_timeout", "--startup-timeout")),
     )
+
+
+def _virtual_local_rank(c: Flags, nproc: int) -> dict[str, Any]:
+    """``--virtual-local-rank``: each worker sees one of ``CUDA_VISIBLE_DEVICES`` (or device
+    ``local_rank``) as device 0, so there must be a listed device per worker (torch raises
+    this when the workers start; here it is a usage error before anything starts)."""
+    on = c.on("virtual_local_rank", "--virtual-local-rank")
+    visible = c.env.get("CUDA_VISIBLE_DEVICES")
+    if on and visible is not None and nproc > len(visible.split(",")):
+        raise UsageError(f"--virtual-local-rank gives each of the {nproc} workers one device of "
+                         f"CUDA_VISIBLE_DEVICES={visible!r}, which lists fewer; list one per "
+                         "worker or lower --nproc-per-node")
+    return dict(virtual_local_rank=on)
 
 
 def _off_or_seconds(raw: str | None, default: float | None, where: str) -> float | None:

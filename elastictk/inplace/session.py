@@ -117,7 +117,7 @@ class Session:
         prefix = os.environ.get(ENV_PREFIX, "")
         store = dist.PrefixStore(prefix, raw)
         return cls(backend, timeout, rank, world, store, node=os.environ.get(ENV_NODE, ""),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   local_rank=int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0),
                    first_gen=int(os.environ.get(ENV_FIRST_GEN, "0")),
                    key=os.environ.get(ENV_KEY) or None, prefix=prefix)
 

@@ -188,7 +188,7 @@ def _open() -> _Slot | None:
         _state = _DISABLED
         return None
     try:
-        _slot = _Slot(path, int(os.environ.get("LOCAL_RANK", "0")))
+        _slot = _Slot(path, int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0))
         _state = _ENABLED
         atexit.register(_finished)
     except (OSError, ValueError) as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
@@ -15,12 +16,21 @@ from typing import Iterable, Iterator, Sequence
 from .base import (
     DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout, StoreUnreachable,
 )
-from .endpoint import Endpoint, parse_endpoint, probe
+from .endpoint import Endpoint, parse_endpoint
+from .listen import is_unspecified, listen_socket, ping_store
 
-# c10d logs every client timeout at warning level from C++; elastictk reports them itself.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-import torch.distributed as dist  # noqa: E402  (after the log level is set)
+# c10d logs every client timeout at warning level from C++; elastictk reports them itself. The
+# level is read once, when torch loads, so it is set for that import only and taken back out of
+# the environment: the workers inherit this process's environment, and a user's script sees
+# torch's C++ warnings under elastictk-run as under torchrun.
+_QUIET = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
+if _QUIET:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+try:
+    import torch.distributed as dist  # noqa: E402  (after the log level is set)
+finally:
+    if _QUIET:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 # A value no one stores: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key in one atomic round
 # trip without creating it (c10d returns ``expected`` for an absent key and never writes it, but
@@ -47,6 +57,7 @@ class TCPStore(Store):
         *,
         is_server: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
+        listen: str | None = None,
         _raw: "dist.TCPStore | None" = None,
     ) -> None:
         self.default_timeout = timeout
@@ -55,20 +66,11 @@ class TCPStore(Store):
         if _raw is not None:
             self._raw: dist.TCPStore | None = _raw
         elif is_server:
-            try:
-                self._raw = dist.TCPStore(
-                    host, port, is_master=True, wait_for_workers=False,
-                    timeout=_td(timeout), use_libuv=True,
-                )
-            except (RuntimeError, OSError) as e:
-                raise StoreUnreachable(
-                    f"cannot start a TCPStore server on {Endpoint(host, port)}: {_first_line(e)}; "
-                    "pick another port or use port 0 for a free one"
-                ) from None
+            self._raw = _serve(host, port, host if listen is None else listen, timeout)
         else:
             deadline = Deadline(timeout)
             endpoint = Endpoint(host, port)
-            reason = probe(endpoint, timeout)
+            reason = ping_store(endpoint, timeout)  # a deadline of ours, before torch's client
             if reason is not None:
                 raise StoreUnreachable(
                     f"cannot reach the TCPStore at {endpoint}: {reason}; check --rdzv-endpoint "
@@ -86,8 +88,11 @@ class TCPStore(Store):
         self.port = int(self._raw.port)
 
     @classmethod
-    def serve(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT) -> "TCPStore":
-        return cls(host, port, is_server=True, timeout=timeout)
+    def serve(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT, *,
+              listen: str | None = None) -> "TCPStore":
+        """A server listening on ``listen`` (default: ``host``, resolved), ``port``; an
+        unspecified address (``0.0.0.0``, ``::``) listens on every interface."""
+        return cls(host, port, is_server=True, timeout=timeout, listen=listen)
 
     @classmethod
     def connect(cls, endpoint: str | Endpoint, timeout: float = DEFAULT_TIMEOUT) -> "TCPStore":
@@ -218,6 +223,29 @@ class TCPStore(Store):
 
     def describe(self) -> str:
         return f"tcp://{Endpoint(self.host, getattr(self, 'port', 0))}"
+
+
+def _serve(host: str, port: int, listen: str, timeout: float) -> "dist.TCPStore":
+    """torch's server on a socket bound to ``listen`` (torch itself would bind ``::``), or on
+    every interface when ``listen`` is unspecified."""
+    where = Endpoint(listen if listen and not is_unspecified(listen) else host, port)
+    fd: int | None = None
+    try:
+        if listen and not is_unspecified(listen):
+            fd = listen_socket(listen, port).detach()  # the store owns it from here
+        raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                            timeout=_td(timeout), use_libuv=True, master_listen_fd=fd)
+    except (RuntimeError, OSError) as e:
+        if fd is not None and isinstance(e, RuntimeError):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise StoreUnreachable(
+            f"cannot start a TCPStore server on {where}: {_first_line(e)}; "
+            "pick another port or use port 0 for a free one"
+        ) from None
+    return raw
 
 
 def _first_line(e: BaseException) -> str:

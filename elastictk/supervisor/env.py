@@ -146,12 +146,14 @@ def worker_env(
     error_file: Optional[str],
     base_env: Mapping[str, str],
     extra: Optional[Mapping[str, str]] = None,
+    virtual_local_rank: bool = False,
 ) -> dict[str, str]:
     """The complete environment of one worker.
 
     Layers, later winning: ``base_env`` (the agent's environment), ``extra`` (the spec's env),
     then torchrun's variables. ``OMP_NUM_THREADS`` is only defaulted, and
     ``CUDA_VISIBLE_DEVICES`` is passed through untouched. :data:`WITHHELD` never passes.
+    ``virtual_local_rank`` (torchrun's ``--virtual-local-rank``): :func:`virtual_devices`.
     """
     env = {k: v for k, v in base_env.items() if k not in WITHHELD}
     env.update({k: v for k, v in (extra or {}).items() if k not in WITHHELD})
@@ -177,4 +179,32 @@ def worker_env(
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
+    if virtual_local_rank:
+        env.update(virtual_devices(local_rank, base_env.get("CUDA_VISIBLE_DEVICES")))
     return env
+
+
+#: The worker's real local rank where ``LOCAL_RANK`` is virtual (always 0): elastictk's
+#: per-worker slots (steps, timers, snapshots) are indexed by it.
+ENV_SLOT = "ELASTICTK_LOCAL_RANK"
+
+
+def virtual_devices(local_rank: int, visible: Optional[str]) -> dict[str, str]:
+    """torch's virtual local rank: ``LOCAL_RANK=0`` in every worker, each seeing one GPU as
+    device 0: the ``local_rank``-th of the agent's ``CUDA_VISIBLE_DEVICES`` (``local_rank``
+    itself when unset). More workers than listed devices: :class:`AssignmentError`."""
+    if visible is not None:
+        devices = visible.split(",")
+        if local_rank >= len(devices):
+            raise AssignmentError(
+                f"local_rank {local_rank} exceeds available GPUs in CUDA_VISIBLE_DEVICES={visible}")
+        device = devices[local_rank].strip()
+    else:
+        device = str(local_rank)
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": device, ENV_SLOT: str(local_rank)}
+
+
+def slot_rank(environ: Mapping[str, str]) -> int:
+    """This worker's index among its node's workers, for elastictk's per-worker slots: the
+    real local rank, also under ``--virtual-local-rank``."""
+    return int(environ.get(ENV_SLOT) or environ.get("LOCAL_RANK") or 0)

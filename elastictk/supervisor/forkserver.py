@@ -140,6 +140,9 @@ def _become(header: dict[str, Any], payload: bytes, fds: dict[str, int], server_
                                       int(header["env"].get("LOCAL_RANK", -1))))
             code = call_function(fn, tuple(args), fds["result"])
         else:
+            from .usersite import rerun_sitecustomize
+
+            rerun_sitecustomize()  # as the fresh interpreter of a torchrun worker would
             set_title(*worker_title(header["kind"], header["target"], header["args"]))
             code = run_python(header["kind"], header["target"], header["args"])
     except BaseException:  # noqa: BLE001 - the worker must exit, never return into the server

@@ -248,7 +248,8 @@ class WorkerGroup:
         def env(lr: int, error_file: Optional[str], base: dict[str, str],
                 extra: Optional[dict[str, str]]) -> dict[str, str]:
             return worker_env(a, role=spec.role, local_rank=lr, local_world_size=spec.local_world_size,
-                              error_file=error_file, base_env=base, extra=extra)
+                              error_file=error_file, base_env=base, extra=extra,
+                              virtual_local_rank=spec.virtual_local_rank)
 
         base, extra = dict(os.environ), {**spec.env, **self._extra_env}
         envs: dict[int, dict[str, str]] = {}
@@ -261,7 +262,8 @@ class WorkerGroup:
                     envs[lr] = env(lr, logs.error_file, base, extra)
             return pump, envs
         # torch's reify sees torch's variables only, for every local rank, and may change them
-        dest = reify(spec.logs_specs, {lr: env(lr, None, {}, None)
+        visible = {k: base[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in base}  # as torch's envs
+        dest = reify(spec.logs_specs, {lr: env(lr, None, visible, None)
                                        for lr in range(spec.local_world_size)})
         if not replacement:
             self.attempt_dir = dest.attempt_dir

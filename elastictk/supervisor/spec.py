@@ -141,6 +141,7 @@ class WorkerSpec:
     logs_specs: Optional[object] = field(default=None, compare=False)
     grace_period: float = 30.0
     death_signal: int = int(_signal.SIGKILL)
+    virtual_local_rank: bool = False  # torchrun's --virtual-local-rank (supervisor/env.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.entrypoint, (str, bytes)):

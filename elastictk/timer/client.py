@@ -387,7 +387,7 @@ def _attach_from_env_locked() -> None:
         _inert_reason = "this process was forked from the worker that owns the region"
     elif path:
         try:
-            _attach_locked(path, int(os.environ.get("LOCAL_RANK", "0")))
+            _attach_locked(path, int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0))
             # Processes this worker starts must not try to share its region.
             os.environ.pop(L.ENV_REGIONS, None)
             return

@@ -249,17 +249,50 @@ class FaultPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FaultPlan:
-        """Read a plan file; a missing file, bad JSON or bad field raises one line naming it."""
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise PlanError(f"{p}: cannot read the fault plan: {e.strerror or e}") from None
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise PlanError(f"{p}: not valid JSON ({e})") from None
-        return cls.from_json(data, str(p))
+        """Read a plan file; a missing, huge, non-UTF-8, nested or non-JSON file, or a bad
+        field, raises one line naming it."""
+        return cls.from_json(read_json(path, "the fault plan"), str(Path(path)))
+
+
+#: A plan file larger than this is refused unread: a generated plan of a thousand faults is
+#: about 100 KiB.
+MAX_PLAN_BYTES = 16 << 20
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; write a finite number or null")
+
+
+def read_json(path: str | os.PathLike[str], what: str, *, max_bytes: int = MAX_PLAN_BYTES,
+              allow_nan: bool = False) -> Any:
+    """The JSON document in file ``path``, or :class:`PlanError` with one line naming the file
+    and the problem: unreadable, larger than ``max_bytes``, not UTF-8, not JSON, nested past
+    the parser's depth, or holding ``NaN``/``Infinity`` (unless ``allow_nan``). A file is input
+    from outside the process: nothing but ``PlanError`` leaves here."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise PlanError(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if len(raw) > max_bytes:
+        raise PlanError(f"{p}: {what} is larger than {max_bytes >> 20} MiB; pass the JSON file "
+                        "elastictk wrote")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{p}: {what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                        f"{e.start}); pass the JSON file elastictk wrote") from None
+    try:
+        return json.loads(text, parse_constant=None if allow_nan else _no_constant)
+    except RecursionError:
+        raise PlanError(f"{p}: {what} is nested too deeply to be JSON elastictk wrote") from None
+    except ValueError as e:
+        raise PlanError(f"{p}: not valid JSON ({_one_line(str(e))})") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]
 
 
 def plan_of(faults: Sequence[Fault], **kw: Any) -> FaultPlan:

@@ -25,14 +25,15 @@ import json
 import signal
 import sys
 import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from ..faults import FaultPlan, PlanError, generate_plan
 from ..faults.kinds import HANGS
+from ..faults.plan import read_json
 from . import report
 from .cluster import BACKENDS
 from .expect import Shape
+from .flags import MAX_REPORT_BYTES, FlagError, check_flags, check_never, in_flag_terms, report_dir, window
 from .multinode import run_nodes
 from .runner import OUTSIDE_SIGNALS, RunRecord, Stopped, owning_signals, run_job, stopped_by
 from .timeline import run_name, write_timeline
@@ -45,8 +46,17 @@ OWN_FLAGS = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", 
              "--log-dir", "--log_dir")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals as one line (:class:`Usage`, exit 2), not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):
+            message += "; give a value starting with '-' as --flag=VALUE"
+        raise Usage(f"{message} (see {PROG} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("::")[0].strip(), add_help=True)
+    p = _Parser(prog=PROG, description=__doc__.split("::")[0].strip(), add_help=True)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated plan (default 0)")
     p.add_argument("--faults", type=int, default=2, help="how many faults to generate (default 2)")
     p.add_argument("--kinds", default=None, help="comma-separated kinds to draw from, e.g. sigkill,exception,exit:3")
@@ -95,32 +105,21 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]
     return ns, launcher, command
 
 
-def _window(text: str, flag: str, typ: type) -> tuple:
-    lo, sep, hi = text.partition(":")
-    try:
-        window = (typ(lo), typ(hi))
-    except ValueError:
-        window = None
-    if not sep or window is None:
-        raise Usage(f"{flag} {text!r}: write LO:HI, e.g. {flag} {'2:10' if typ is int else '3:8'}")
-    return window
-
-
 def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float], nodes: int = 1,
                backend: str = "c10d") -> FaultPlan:
     if ns.plan is not None:
         return FaultPlan.load(ns.plan)
-    when: dict = {"seconds": _window(ns.at_seconds, "--at-seconds", float)} if ns.at_seconds else \
-        {"steps": _window(ns.at_steps, "--at-steps", int)}
-    kinds = [k.strip() for k in ns.kinds.split(",") if k.strip()] if ns.kinds else None
-    try:
-        never = tuple(int(r) for r in ns.never.split(",") if r.strip())
-    except ValueError:
-        raise Usage(f"--never {ns.never!r}: write rank numbers, e.g. --never 0,1") from None
+    when: dict = {"seconds": window("--at-seconds", ns.at_seconds, float)} if ns.at_seconds is not None \
+        else {"steps": window("--at-steps", ns.at_steps, int)}
+    kinds = [k.strip() for k in ns.kinds.split(",") if k.strip()] if ns.kinds is not None else None
+    never = check_never(ns.never, world)
     # Losing node 0 under c10d loses the store and ends the job: spare it unless asked.
     spare = (0,) if nodes > 1 and backend == "c10d" and not ns.kill_store_host else ()
-    return generate_plan(ns.seed, ns.faults, world, kinds=kinds, never=never, watchdog_s=watchdog,
-                         nodes=nodes, spare_nodes=spare, **when)
+    try:
+        return generate_plan(ns.seed, ns.faults, world, kinds=kinds, never=never, watchdog_s=watchdog,
+                             nodes=nodes, spare_nodes=spare, **when)
+    except PlanError as e:
+        raise Usage(in_flag_terms(str(e), ns)) from None
 
 
 def with_progress_watchdog(plan: FaultPlan, launcher: list[str],
@@ -221,6 +220,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
     try:
         ns, launcher, command = parse(sys.argv[1:] if argv is None else argv)
+        check_flags(ns)
+        if ns.replay:  # nested, huge or not UTF-8: one line before the report's fields are read
+            read_json(ns.replay, "the chaos report", max_bytes=MAX_REPORT_BYTES, allow_nan=True)
         replay = report.load_replay(ns.replay) if ns.replay else None
         if replay is not None:
             plan, rlaunch, rcommand = replay
@@ -251,11 +253,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             plan = build_plan(ns, world, config.collective_timeout, ns.nodes, config.rdzv_backend)
         check_supported(plan, world, ns.nodes)
         launcher = with_progress_watchdog(plan, launcher, config.collective_timeout)
-    except (Usage, PlanError) as e:
+        out = report_dir(ns.report_dir)  # last: bad input above leaves no directory behind
+    except (Usage, PlanError, FlagError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    out = Path(ns.report_dir)
-    out.mkdir(parents=True, exist_ok=True)
     print(f"{PROG}: plan (seed {plan.seed}): " + "; ".join(f"#{i} {f.describe()}" for i, f in enumerate(plan.faults)),
           file=sys.stderr)
     expect = ns.expect_checksum

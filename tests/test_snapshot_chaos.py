@@ -67,19 +67,18 @@ def test_a_chaos_run_with_snapshots_judges_steps_lost_against_the_interval(
         tmp_path: Path, restores: bool) -> None:
     r, data = chaos(tmp_path, {} if restores else {"NO_RESTORE": "1"})
     (fault,) = data["faults"]
-    assert fault["fired"] and fault["lost_steps"] is not None, r.stdout + r.stderr[-3000:]
+    assert fault["fired"], r.stdout + r.stderr[-3000:]
     if restores:
+        assert fault["lost_steps"] is not None, r.stdout + r.stderr[-3000:]
         assert r.returncode == 0, r.stdout + r.stderr[-3000:]
         assert fault["lost_steps"] <= 1 and verdict(data)["ok"], data["checks"]
         assert f"[ok] {NAME}" in r.stdout
     else:
         assert r.returncode == 1, r.stdout + r.stderr[-3000:]
-        # From step 0 again: every step done before the kill at step 5 is lost. Lines read late
-        # on a busy host can move the last one or two after the kill, so only "more than the
-        # bound" is certain, and that is what turns the check red.
-        assert fault["lost_steps"] >= 2 and not verdict(data)["ok"], (fault, data["checks"])
-        assert (f"#0 sigkill lost {fault['lost_steps']} step(s), more than 1: was the snapshot "
-                "restored (state.restore())?") in verdict(data)["detail"]
+        # No restore() recorded where the new process resumed, and optimizer counts start at 0
+        # in every process: the loss is unknown, and an unknown loss turns the check red.
+        assert fault["lost_steps"] is None and not verdict(data)["ok"], (fault, data["checks"])
+        assert "#0 sigkill lost an unknown number of step(s)" in verdict(data)["detail"]
 
 
 def test_the_bound_is_that_of_the_tier_that_survives_the_fault() -> None:
@@ -107,12 +106,11 @@ def _kill_agent_run(resumed_at: int) -> tuple[RunRecord, list[creport.FaultRow]]
     return rec, rows
 
 
-def test_kill_agent_faults_count_their_lost_steps_and_are_judged_by_the_disk_interval() -> None:
-    rec, rows = _kill_agent_run(resumed_at=5)  # the newest complete disk step: 5 (every 5)
-    assert rows[0].outcome == "restart" and rows[0].lost_steps == 3
-    assert creport._snapshot_check(rows, ("local", "disk"), 5).ok
-    local_only = creport._snapshot_check(rows, ("local",), 5)
-    assert not local_only.ok and "no tier of --snapshot local survives it" in local_only.detail
-    rec, rows = _kill_agent_run(resumed_at=0)  # nothing restored: the job started over
-    bad = creport._snapshot_check(rows, ("local", "disk"), 5)
-    assert rows[0].lost_steps == 8 and not bad.ok and "lost 8 step(s), more than 5" in bad.detail
+def test_kill_agent_faults_lose_an_unknown_number_of_steps_and_fail_the_check() -> None:
+    """A killed agent's workers die with it and record no step: what the job printed ("step N"
+    lines) is no evidence, so the loss is unknown and the check does not pass on it."""
+    for resumed_at in (5, 0):
+        rec, rows = _kill_agent_run(resumed_at=resumed_at)
+        assert rows[0].outcome == "restart" and rows[0].lost_steps is None
+        bad = creport._snapshot_check(rows, ("local", "disk"), 5)
+        assert not bad.ok and "#0 kill-agent lost an unknown number of step(s)" in bad.detail

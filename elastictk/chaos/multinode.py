@@ -31,7 +31,7 @@ from ..faults import FaultPlan
 from ..metrics.events import read_events
 from .cluster import Cluster
 from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
-    _shm, fault_env, late, read_fault_log, read_progress, record_leaks, stop_requested, stopped_by
+    _shm, fault_env, late, read_fault_log, read_worker_records, record_leaks, stop_requested, stopped_by
 
 FULL_SIZE_WAIT = 60.0
 
@@ -170,7 +170,7 @@ def _refresh(rec: RunRecord, cluster: Cluster, fault_log: Path, nproc: int) -> N
             rec.finished_somewhere = True
     rec.injections = sorted([i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log),
                             key=lambda i: i.mono)
-    rec.progress = read_progress(fault_log)
+    read_worker_records(rec, fault_log)
     rec.ranks_seen.update(workers_by_rank(rec.events, max(1, nproc)))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from ..faults import FaultPlan
 from . import nodereport, phases
+from .lost import Lost, lost_steps
 from .expect import Shape, expect
 from .runner import RunRecord
 
@@ -44,6 +45,7 @@ class FaultRow:
     why: Optional[str] = None  # a fault that did not fire: why not
     attempt: Optional[int] = None  # a step fault: the attempt it fires in
     phases_ms: Optional[dict[str, float]] = None  # its recovery's phases (the agent's recovery event)
+    lost_why: Optional[str] = None  # lost_steps is None: why the records cannot tell
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ def fault_rows(plan: FaultPlan, rec: RunRecord, shape: Optional[Shape] = None) -
         if f.kind in ("kill-agent", "store-outage") and shape is not None:
             fields = nodereport.node_fault(f, inj, rec, shape)
             if fields.get("detected_after") is not None and fields.get("running_after") is not None:
-                fields["lost_steps"] = _lost(rec, inj.mono + fields["detected_after"],
-                                             inj.mono + fields["running_after"])
+                fields["lost_why"] = ("a killed agent's workers record no step at their end"
+                                      if f.kind == "kill-agent" else "no worker records the step it hit")
             rows.append(FaultRow(i, f.spec, str(f.target), planned, True, **fields))
             continue
         if not plan.needs_restart(f):  # a straggler: the failures after it are not its doing
@@ -79,25 +81,28 @@ def fault_rows(plan: FaultPlan, rec: RunRecord, shape: Optional[Shape] = None) -
         detected = _first(rec, FAILURE_EVENTS, inj.mono)
         running = _first(rec, RUNNING_EVENTS, detected) if detected is not None else None
         restarted = _first_event(rec, RESTART_EVENTS, inj.mono)
-        lost = None if detected is None or running is None else _lost(rec, detected, running)
+        # a failure the job never ran again after (it ended the job) redoes no step
+        lost = _lost(rec, i, inj) if running is not None else Lost(None)
         rows.append(FaultRow(
             i, f.spec, str(f.target), planned, True, plan.needs_restart(f), attempt=f.attempt,
             injected_at=inj.mono - rec.started,
             detected_after=None if detected is None else detected - inj.mono,
             running_after=None if running is None else running - inj.mono,
             restarts_used=None if restarted is None else int(restarted.fields.get("restart_count", 0)),
-            lost_steps=lost, outcome=None if shape is None else "restart",
+            lost_steps=lost.steps, lost_why=lost.why or None, outcome=None if shape is None else "restart",
             phases_ms=phases.of_restart(rec.events, None if restarted is None else
                                         int(restarted.fields.get("restart_count", 0)))))
     return rows
 
 
-def _lost(rec: RunRecord, detected: float, running: float) -> Optional[int]:
-    """Steps run again: the newest step printed by the failure's detection, less the step the
-    job resumed from (one before the first step printed once it runs again)."""
-    before = [s for t, s in rec.steps if t <= detected]
-    after = [s for t, s in rec.steps if t >= running]
-    return max(0, max(before) - (min(after) - 1)) if before and after else None
+def _lost(rec: RunRecord, index: int, inj: Any) -> Lost:
+    """Steps run again because of fault ``index``, from the workers' records (chaos/lost.py);
+    a signal sent from outside hits no recorded step, so its loss is unknown."""
+    line = next((d for d in rec.fault_lines if d.get("fault") == index), None)
+    if line is None:
+        return Lost(None, "a signal from outside: no worker records the step it hit"
+                    if inj.how == "outside" else "the fault's record is missing")
+    return lost_steps(line, rec.progress, rec.restored)
 
 
 def snapshot_bound(kind: str, tiers: tuple[str, ...], every: int, overlap: bool = False) -> Optional[int]:
@@ -202,7 +207,8 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
     if since is not None:
         running += rec.ended - since
     lost = sum(r.lost_steps or 0 for r in rows)
-    final = max((s for _, s in rec.steps), default=0)
+    final = max((int(p["step"]) for p in rec.progress if p.get("progress") == "exit"
+                 and isinstance(p.get("step"), int)), default=0)
     kept = final / (final + lost) if final + lost else 1.0
     return {
         "wall_s": wall,
@@ -215,6 +221,7 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "recovery_phases_ms": phases.medians(rec.events),  # median per phase, of every recovery
         "recoveries_timed": len(phases.of_run(rec.events)),
         "steps_lost": lost,
+        "steps_lost_unknown": len(_unknown_losses(rows)),
         "running_share": min(1.0, running / wall),
         "goodput": min(1.0, running / wall) * kept,
         "checksum": rec.checksum,
@@ -245,7 +252,7 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
 
 def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int, overlap: bool = False) -> Check:
     """Steps lost per fault <= the interval of the snapshot tier that survives the fault."""
-    over = []
+    over = _unknown_losses(rows)
     for r in rows:
         if r.lost_steps is None:
             continue
@@ -263,6 +270,13 @@ def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int, ov
         bounds += (", " if bounds else "") + f"{every + extra} steps (disk{', a lost agent' if bounds else ''})"
     return Check("steps lost per fault <= the snapshot interval", not over,
                  "; ".join(over) or f"at most {worst} step(s) lost, interval {bounds}")
+
+
+def _unknown_losses(rows: list[FaultRow]) -> list[str]:
+    """Faults that cost a restart and whose lost steps the records cannot tell: a check on
+    lost steps does not pass on them (it has no evidence), it names each and why."""
+    return [f"#{r.index} {r.kind} lost an unknown number of step(s): {r.lost_why or 'not recorded'}"
+            for r in rows if r.fired and r.needs_restart and r.lost_steps is None and r.running_after is not None]
 
 
 def _fired(rows: list[FaultRow], allow: bool, beyond: Optional[set[int]] = None) -> Check:
@@ -415,7 +429,10 @@ def _common(rec: RunRecord, rows: list[FaultRow], finished: bool, ckpt_every: Op
                      ", ".join(rec.leaked_shm + rec.leaked_ports) or "/dev/shm and listening ports as before"))
     if ckpt_every is not None:
         worst = max((r.lost_steps or 0 for r in rows), default=0)
-        out.append(Check("progress lost per fault <= checkpoint interval", worst <= ckpt_every,
+        bad = _unknown_losses(rows) + [f"#{r.index} {r.kind} lost {r.lost_steps} step(s)" for r in rows
+                                        if r.lost_steps is not None and r.lost_steps > ckpt_every]
+        out.append(Check("progress lost per fault <= checkpoint interval", not bad,
+                         ("; ".join(bad) + f" (interval {ckpt_every})") if bad else
                          f"at most {worst} step(s) lost, interval {ckpt_every}"))
     if expect_checksum is not None and finished:
         out.append(Check("result equals the fault-free run's", rec.checksum == expect_checksum,
@@ -521,6 +538,12 @@ def _s(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}s"
 
 
+def _lost_cell(r: FaultRow) -> str:
+    if r.lost_steps is not None:
+        return str(r.lost_steps)
+    return "unknown" if r.fired and r.needs_restart and r.running_after is not None else "-"
+
+
 def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> str:
     # "fault to ...": from the injection, on the runner's clock; not the recovery's "detect"
     # phase (the worker's exit to the agent acting on it), which has its own column.
@@ -529,7 +552,7 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
     body: list[tuple[str, ...]] = [(str(r.index), r.kind, r.target, r.planned,
              _s(r.injected_at) if r.fired else "never fired", _s(r.detected_after),
              _s(r.running_after), "-" if r.restarts_used is None else str(r.restarts_used),
-             "-" if r.lost_steps is None else str(r.lost_steps)) for r in rows]
+             _lost_cell(r)) for r in rows]
     if any(r.outcome is not None for r in rows):
         head += ("outcome",)
         body = [b + ((r.outcome or "-") if r.fired else "-",) for b, r in zip(body, rows)]
@@ -542,10 +565,12 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
            f", {planned - fired} did not fire"), "",
            line(head), line(tuple("-" * w for w in widths)), *(line(b) for b in body), ""]
     mean, mx = tot["recovery_mean_s"], tot["recovery_max_s"]
+    unknown = f", {tot['steps_lost_unknown']} fault(s) unknown" if tot.get("steps_lost_unknown") else ""
     out.append(f"exit {tot['exit_code']} after {tot['wall_s']:.1f}s; {tot['faults_fired']} fault(s) fired, "
                f"{tot['restarts']} restart(s); recovery mean {_s(mean)}, max {_s(mx)}; "
                f"goodput {tot['goodput']:.2f} (workers running {tot['running_share']:.0%} of the time, "
-               f"{tot['steps_lost']} step(s) redone)" + (f"; checksum {tot['checksum']}" if tot["checksum"] else ""))
+               f"{tot['steps_lost']} step(s) redone{unknown})"
+               + (f"; checksum {tot['checksum']}" if tot["checksum"] else ""))
     timed = phases.line(tot)
     if timed is not None:
         out.append(timed)

@@ -105,12 +105,15 @@ class RunRecord:
     stderr: str = ""
     injections: list[Injection] = field(default_factory=list)
     progress: list[dict[str, Any]] = field(default_factory=list)  # the workers' progress lines
+    fault_lines: list[dict[str, Any]] = field(default_factory=list)  # the fault log's lines of fired faults
+    restored: list[dict[str, Any]] = field(default_factory=list)  # State.restore()'s lines (chaos/lost.py)
     ranks_seen: set[int] = field(default_factory=set)  # global ranks that ever had a worker
     unfired: dict[int, str] = field(default_factory=dict)  # fault index -> why the runner did not inject it
     stopped: str = ""  # "timeout" or a signal name when the run was stopped
     events: list[Any] = field(default_factory=list)
     pids: set[int] = field(default_factory=set)
-    steps: list[tuple[float, int]] = field(default_factory=list)  # (mono, step) as lines arrived
+    # (mono, step) of "step N" lines as they arrived: the live progress display only, never a verdict
+    steps: list[tuple[float, int]] = field(default_factory=list)
     leaked_processes: list[str] = field(default_factory=list)
     leaked_shm: list[str] = field(default_factory=list)
     leaked_ports: list[str] = field(default_factory=list)
@@ -286,7 +289,15 @@ def _refresh(rec: RunRecord, events: Path, fault_log: Path, launcher: int) -> No
                                 if str(p).isdigit())
     inside = [i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log)
     rec.injections = sorted(inside, key=lambda i: i.mono)
-    rec.progress = read_progress(fault_log)
+    read_worker_records(rec, fault_log)
+
+
+def read_worker_records(rec: RunRecord, fault_log: Path) -> None:
+    """The workers' own records from the fault log: progress, fired faults, restores."""
+    lines = _fault_lines(fault_log)
+    rec.progress = [d for d in lines if "progress" in d]
+    rec.fault_lines = [d for d in lines if "fault" in d]
+    rec.restored = [d for d in lines if "restored" in d]
 
 
 def _current_workers(rec: RunRecord) -> dict[int, int]:

@@ -32,6 +32,8 @@ from ..snapshot.settings import Settings, SettingsError
 
 log = logging.getLogger("elastictk.inplace")
 _warned_no_tier = False  # the "restored nothing" line is said once per process
+# elastictk.faults.env.ENV_LOG, named here: faults is a sibling layer (tests assert they agree)
+ENV_LOG = "ELASTICTK_FAULT_LOG"
 
 
 @runtime_checkable
@@ -136,7 +138,7 @@ class State:
             rank, world = _rank_world()
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
             snap = Snapshotter(self._snap_settings, rank=rank, world=world,
-                               local_rank=int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0),
+                               local_rank=int(os.environ.get("LOCAL_RANK", "0") or 0),
                                local_world=local_world)
             object.__setattr__(self, "_snap", snap if snap.active else False)
         elif self._snap:
@@ -178,10 +180,12 @@ class State:
         snap = self._snapshotter()
         if snap is None:
             _say_nothing_restored()
+            _record_restored(None)
             return None
         got = snap.restore(lambda: {"objects": {n: o.state_dict() for n, o in self._objects.items()},
                                     "values": self._values})  # where a DTensor goes, now
         if got is None:
+            _record_restored(None)
             return None
         from ..snapshot.worker import clone_tree
 
@@ -198,6 +202,7 @@ class State:
         self._values.update(copy.deepcopy(values))
         object.__setattr__(self, "_commit", _LAZY)
         object.__setattr__(self, "_commit_values", values)
+        _record_restored(got.step)
         return got.step
 
     def _last_commit(self) -> Any:
@@ -260,6 +265,35 @@ class State:
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names)}; committed={self.committed})"
+
+
+def _record_restored(step: Optional[int]) -> None:
+    """Under elastictk-chaos (``ELASTICTK_FAULT_LOG``), one ``restored`` line: the step this
+    process resumed at (None: nothing restored), so steps lost are judged from what the job did
+    (elastictk/chaos/lost.py), never from its output. Outside chaos: nothing."""
+    path = os.environ.get(ENV_LOG)
+    if not path:
+        return
+    import json
+    import time
+
+    entry = {"restored": step, "rank": _env_int("RANK"), "attempt": _env_int("TORCHELASTIC_RESTART_COUNT") or 0,
+             "pid": os.getpid(), "monotonic": time.monotonic()}
+    try:  # one O_APPEND write: lines from several workers never interleave
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("elastictk: cannot append to %s=%s: %s", ENV_LOG, path, e.strerror or e)
+
+
+def _env_int(name: str) -> Optional[int]:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return None
 
 
 def _say_nothing_restored() -> None:

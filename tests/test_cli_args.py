@@ -344,7 +344,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--logs-specs", "x", SCRIPT], "--logs-specs x: no entry point of that name in group "
                                     "'torchrun.logs_specs' (installed: "),
     (["--numa-binding", "node", SCRIPT], "--numa-binding is not supported"),
-    (["--event-log-handler", "console", SCRIPT], "use --event-log PATH"),
+    (["--event-log-handler", "nosuch", SCRIPT], "no torch event handler of that name"),
     (["--recovery", "retry", SCRIPT], "use one of restart-all, in-place"),
     (["--restart-intensity", "3", SCRIPT], "write R/T"),
     (["--restart-intensity", "3/0", SCRIPT], "more than 0"),

@@ -151,10 +151,9 @@ def snapshot_env(config: LaunchConfig) -> dict[str, str]:
 def standalone_token(config: LaunchConfig) -> str | None:
     """A random per-run token for a ``--standalone`` job given none.
 
-    torch's TCPStore listens on every interface (it binds ``::``; no address can be chosen), so
-    a standalone job's store is reachable from the network. With this token every record that
-    can change what the agent does is sealed, and whatever a stranger writes there reads as
-    absent. One node, so nobody else needs to know it; it goes to no worker and no log.
+    A standalone job's store listens on loopback only (``rendezvous.backends.listen_address``),
+    which every user of this host can still reach. With this token every record that can
+    change what the agent does is sealed, and whatever a stranger writes there reads as absent. One node, so nobody else needs to know it; it goes to no worker and no log.
     """
     if not config.standalone or config.rdzv_backend != "c10d":
         return None

@@ -57,8 +57,8 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "rendezvous settings k=v,...: join_timeout, last_call_timeout, close_timeout, timeout, "
      "read_timeout, is_host, heartbeat_interval, heartbeat_timeout"),
     (("--standalone",), True,
-     "single node: a c10d store of its own on a free port (records sealed with a random "
-     "per-run token: torch's store listens on every interface) and a random id; overrides "
+     "single node: a c10d store of its own on a free loopback port (records sealed with a "
+     "random per-run token: any local user can reach it) and a random id; overrides "
      "--rdzv-backend/--rdzv-endpoint/--rdzv-id"),
     (("--max-restarts", "--max_restarts"), False,
      "worker group restarts before failing (default 0)"),

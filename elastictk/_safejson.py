@@ -56,7 +56,7 @@ def loads(raw: bytes | bytearray | memoryview | str, *, max_bytes: int | None = 
     except UnicodeDecodeError as e:
         raise Unreadable(f"not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise Unreadable(f"not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise Unreadable(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise Unreadable(f"nested deeper than the {max_depth} levels a record may have") from None
     except MemoryError:

@@ -107,7 +107,7 @@ def _parse(key: str, raw: bytes) -> dict[str, Any]:
         data = loads(raw)
     except Unreadable as e:
         raise RendezvousStateError(
-            f"store key {key!r} holds {len(raw)} bytes that are not a JSON record ({e}); another "
+            f"store key {key!r} holds {len(raw)} bytes that are not JSON ({e}); another "
             "program shares this store and job id: use a fresh --rdzv-id or clear the store"
         ) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:

@@ -153,7 +153,8 @@ def standalone_token(config: LaunchConfig) -> str | None:
 
     A standalone job's store listens on loopback only (``rendezvous.backends.listen_address``),
     which every user of this host can still reach. With this token every record that can
-    change what the agent does is sealed, and whatever a stranger writes there reads as absent. One node, so nobody else needs to know it; it goes to no worker and no log.
+    change what the agent does is sealed, and whatever a stranger writes there reads as absent.
+    One node, so nobody else needs to know it; it goes to no worker and no log.
     """
     if not config.standalone or config.rdzv_backend != "c10d":
         return None

@@ -123,7 +123,7 @@ def test_telemetry_from_elastictk_run_flags(tmp_path: Path) -> None:
                    for s in f.samples}
         restarts = samples[("elastictk_restarts_total", None)]
         assert restarts.value == 1
-        assert restarts.labels == {"job": config.run_id, "node": "node-a", "role": "trainer"}
+        assert restarts.labels == {"run_id": config.run_id, "node": "node-a", "role": "trainer"}
         assert samples[("elastictk_restarts_remaining", None)].value == 2
         assert samples[("elastictk_worker_failures_total", "signal")].value == 1
         port = tel.server.port

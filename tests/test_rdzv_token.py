@@ -210,3 +210,14 @@ def test_a_token_in_the_flag_or_the_environment_is_taken() -> None:
     assert parse_args(["--rdzv-token", "t0k", "train.py"], {}, check=False).rdzv_token == "t0k"
     assert parse_args(["train.py"], {"ELASTICTK_RDZV_TOKEN": "t0k"}, check=False).rdzv_token == "t0k"
     assert parse_args(["train.py"], {}, check=False).rdzv_token is None
+
+
+@pytest.mark.parametrize("token", ["", "   "])
+def test_the_python_api_refuses_an_empty_token(token: str) -> None:
+    """The library face of --rdzv-token "": an empty secret would sign nothing and refuse
+    nobody, so a launcher built on RendezvousConfig gets a ValueError naming it."""
+    from elastictk.rendezvous import RendezvousConfig
+
+    with pytest.raises(ValueError, match="token is empty"):
+        RendezvousConfig(job_id="j", token=token)
+    assert RendezvousConfig(job_id="j", token=None).token is None

@@ -46,5 +46,9 @@ class RendezvousConfig:
                 f"heartbeat_timeout={self.heartbeat_timeout} must exceed "
                 f"heartbeat_interval={self.heartbeat_interval}"
             )
+        if self.token is not None and not self.token.strip():
+            # an empty secret would sign nothing and refuse nobody, silently: say so instead
+            problems.append("token is empty: give the job's secret, or token=None for a job "
+                            "without authentication")
         if problems:
             raise ValueError("invalid rendezvous config: " + "; ".join(problems))

@@ -20,22 +20,25 @@ from pathlib import Path
 
 import torch
 
+from elastictk.data import order
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "helpers" / "data_train.py"
 SAMPLES, EPOCHS, KILL = 44, 2, 9  # 6 steps per epoch: step 9 is the 3rd of epoch 1
 
 
-def launch(tmp: Path, tag: str, *args: str) -> tuple[str, Path]:
+def launch(tmp: Path, tag: str, *args: str, flags: tuple[str, ...] = ("--snapshot", "local"),
+           nproc: int = 2, ok: bool = True) -> tuple[str, Path]:
     work = tmp / tag
     work.mkdir()
-    cmd = [sys.executable, "-m", "elastictk.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--snapshot", "local", "--log-dir", str(work / "logs"),
+    cmd = [sys.executable, "-m", "elastictk.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", "1", *flags, "--log-dir", str(work / "logs"),
            str(SCRIPT), "--record", str(work / "record.jsonl"), "--out", str(work / "w.pt"),
            "--samples", str(SAMPLES), "--epochs", str(EPOCHS), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    assert (proc.returncode == 0) == ok, out[-3000:]
     return out, work
 
 
@@ -84,3 +87,26 @@ def test_distributed_sampler_with_a_checkpoint_per_epoch_replays_the_epoch(tmp_p
     assert epochs[0] == Counter(range(SAMPLES))
     twice = epochs[1] - Counter(range(SAMPLES))
     assert sum(twice.values()) == 2 * 8, epochs[1]  # its 2 committed steps trained again
+
+
+def test_relaunched_from_disk_at_three_ranks_takes_the_rest_of_the_epoch_once(tmp_path: Path) -> None:
+    """Disk tier across a world-size change: 2 ranks, rank 1 killed mid-epoch with no restart
+    left (the job fails); relaunched with 3 ranks on the same --snapshot-dir, the rest of the
+    epoch is cut into global batches of 12: nothing trained before is taken again, nothing is
+    left out; only the short last batch is padded (fewer than 3, from the epoch's start)."""
+    disk = ("--snapshot", "disk", "--snapshot-dir", str(tmp_path / "ckpt"), "--snapshot-every", "2",
+            "--max-restarts", "0")
+    launch(tmp_path, "first", "--kill", str(KILL), flags=disk, ok=False)
+    out, second = launch(tmp_path, "second", flags=disk, nproc=3)
+    later = [json.loads(x) for x in (second / "record.jsonl").read_text().splitlines()]
+    resumed = min(r["step"] for r in later)
+    assert 1 < resumed <= KILL and {r["world"] for r in later} == {3}, out[-3000:]
+    earlier = [json.loads(x) for x in (tmp_path / "first" / "record.jsonl").read_text().splitlines()]
+    epochs: dict[int, Counter[int]] = {}
+    for r in [r for r in earlier if r["step"] < resumed] + later:
+        epochs.setdefault(r["epoch"], Counter()).update(r["indices"])
+    want = Counter(range(SAMPLES))
+    assert epochs[0] == want
+    assert not want - epochs[1], "no sample of epoch 1 left out"
+    extra = epochs[1] - want
+    assert sum(extra.values()) < 3 and set(extra) <= set(order(SAMPLES, 1, 7, True)[:2]), extra

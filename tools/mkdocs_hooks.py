@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # Package faces whose public names make the API reference, in the order of the layers (low first).
 PACKAGES = ("store", "rendezvous", "timer", "snapshot", "metrics", "faults", "supervisor",
-            "inplace", "agent", "cli", "testing", "chaos")
+            "data", "inplace", "agent", "cli", "testing", "chaos")
 _LINK = re.compile(r"\]\(([^)\s#]+)(#[^)\s]*)?\)")
 
 

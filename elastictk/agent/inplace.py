@@ -18,8 +18,9 @@ When a local worker fails:
 
 A hung worker (SIGSTOP, a debugger, a stuck driver) makes the others' collectives time out; the
 first to time out writes the generation's ``error`` key, which wakes the agent: it kills its
-local workers that are frozen (process state ``T``/``t`` in ``/proc``), and their exit takes the
-path above. If the new generation is not ready within ``reform_timeout`` (survivors wedged in a
+local workers that are frozen (process state ``T``/``t`` in ``/proc``), naming each as
+restart-all's watchdogs do (stacks dumped first, then a ``hang_detected`` event with its rank),
+and their exit takes the path above. If the new generation is not ready within ``reform_timeout`` (survivors wedged in a
 backend call, a plain script that exits instead of re-forming, or errors with nobody to blame),
 the agent falls back to restart-all, without charging the budget a second time.
 
@@ -56,6 +57,7 @@ from ..supervisor.spec import WorkerResult
 from .coordination import Budget, Decision, records_of
 from .inplace_host import InPlaceHost, Setup, inplace_key
 from .outcome import DecisionAction
+from .progress import Hang, declare_frozen
 from .policy import RestartPolicy
 
 log = logging.getLogger("elastictk.agent")
@@ -91,7 +93,8 @@ def open_round(host: InPlaceHost, group: WorkerGroup, job: Store | Budget, polic
                        start_timeout=reform_timeout,
                        joining=[m.node_id for m in info.members if m.node_id not in before])
     return InPlaceRound(group, job, policy, setup, world, nodes, reform_timeout=reform_timeout,
-                        error_grace=error_grace, emit=emit), setup
+                        error_grace=error_grace, emit=emit,
+                        base_rank=ranges[info.rank].base_global_rank), setup
 
 
 class InPlaceRound:
@@ -100,7 +103,7 @@ class InPlaceRound:
     def __init__(self, group: WorkerGroup, job: Store | Budget, policy: RestartPolicy, setup: Setup,
                  world_size: int, nodes: dict[str, int], *,
                  reform_timeout: float = DEFAULT_REFORM_TIMEOUT, error_grace: float = 0.0,
-                 emit: Emit) -> None:
+                 emit: Emit, base_rank: int = 0) -> None:
         self.group = group
         self.job = job if isinstance(job, Budget) else Budget(records_of(job))
         self.policy = policy
@@ -111,6 +114,8 @@ class InPlaceRound:
         self.reform_timeout = reform_timeout
         self.error_grace = error_grace
         self.emit = emit
+        self.base_rank = base_rank  # this node's first global rank: local rank + it names a rank
+        self.hangs: dict[int, Hang] = {}  # PID -> the hang it was killed for (this round)
         # With a job token: the records here are sealed with the run's in-place key (the
         # workers get that key, never the token); one that does not verify is absent.
         self._key = inplace_key(self.job.records.signer)
@@ -260,10 +265,12 @@ class InPlaceRound:
             return False
         first = min(failed, key=lambda r: r.ended_at)
         for r in failed:
+            hung = {"cause": "hang_detected"} if r.pid in self.hangs else {}
             self.emit(EventKind.WORKER_FAILED, rank=r.rank, local_rank=r.local_rank,
-                      exit=r.signal_name or f"code {r.exitcode}", recovery="in-place")
+                      exit=r.signal_name or f"code {r.exitcode}", recovery="in-place", **hung)
         self.failures.extend(failed)
-        decision = spend_restart(self.job, self.policy, first.describe())
+        hang = self.hangs.get(first.pid)
+        decision = spend_restart(self.job, self.policy, hang.headline() if hang is not None else first.describe())
         self.decision = decision
         if decision.action != DecisionAction.RESTART:
             return False
@@ -298,10 +305,7 @@ class InPlaceRound:
         """Handle what the watcher saw; True when in-place recovery failed (fall back)."""
         if self._errors.is_set():
             self._errors.clear()
-            for lr, pid in self.group.pids().items():
-                if lr in self.group.running and is_frozen(pid):
-                    self.emit(EventKind.WORKER_FROZEN, local_rank=lr, pid=pid, action="SIGKILL")
-                    self.group.signal_one(lr, 9)
+            self._kill_frozen()
             if self.deadline is None:
                 # Errors, but nothing died here: a worker elsewhere is being replaced, or a
                 # node is gone and the membership watch will say so within error_grace.
@@ -313,6 +317,25 @@ class InPlaceRound:
                       f"{self.reform_timeout:g}s")
             return True
         return False
+
+    def _kill_frozen(self) -> None:
+        """The group's collective failed: a local worker stopped (state T) is the hang that
+        timed it out. Named as restart-all's watchdogs name a hang: its stacks dumped (before
+        the kill), a ``hang_detected`` event with its rank, then SIGKILL; its exit takes the
+        replacement path, charged with the hang's headline."""
+        pids = {lr: pid for lr, pid in self.group.pids().items() if lr in self.group.running}
+        frozen = sorted(lr for lr, pid in pids.items() if is_frozen(pid))
+        if not frozen:
+            return
+        hang = declare_frozen(pids, {lr: self.base_rank + lr for lr in pids}, frozen,
+                              self.group.attempt_dir)
+        for c in hang.culprits:
+            self.hangs[c.pid] = hang
+        log.warning("%s", hang.describe())
+        self.emit(EventKind.HANG_DETECTED, **hang.fields())
+        for lr in frozen:
+            self.emit(EventKind.WORKER_FROZEN, local_rank=lr, pid=pids[lr], action="SIGKILL")
+            self.group.signal_one(lr, 9)
 
     def settle(self) -> None:
         """Every worker finished: a generation that formed meanwhile is reported now (its ready

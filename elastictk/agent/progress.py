@@ -89,7 +89,8 @@ class Hang:
     """What the progress watchdog found; culprits are killed, blocked ranks are left to the
     agent's recovery."""
 
-    kind: str  # "progress", "startup" or "stopped_peer" (found when a peer failed)
+    kind: str  # "progress", "startup", "stopped_peer" (found when a peer failed) or
+    # "group_timeout" (in place: the group's collective timed out on a stopped rank)
     timeout_s: float
     culprits: tuple[RankState, ...]
     blocked: tuple[RankState, ...]
@@ -102,7 +103,8 @@ class Hang:
         c = self.culprits[0]
         what = {"progress": f"made no progress for {c.idle_s:.1f}s",
                 "startup": f"completed no first step for {c.idle_s:.1f}s",
-                "stopped_peer": "was stopped (state T) while a peer failed waiting on it"}[self.kind]
+                "stopped_peer": "was stopped (state T) while a peer failed waiting on it",
+                "group_timeout": "was stopped (state T) while its peers' collective timed out on it"}[self.kind]
         where = f" at {c.where}" if c.where else ""
         return f"rank {c.rank} {what}{where} (progress watchdog)"
 
@@ -114,7 +116,8 @@ class Hang:
         blocked = ", ".join(str(b.rank) for b in self.blocked) or "none on this node"
         flag = {"progress": f"--progress-timeout {self.timeout_s:g}",
                 "startup": f"--startup-timeout {self.timeout_s:g}",
-                "stopped_peer": "found when a peer failed"}[self.kind]
+                "stopped_peer": "found when a peer failed",
+                "group_timeout": "found when the group's collective timed out"}[self.kind]
         stacks = f"stacks in {self.report_path}" if self.report_path else \
             f"stacks: {self.culprits[0].stacks_from}"
         return (f"hang on {self.host}: {names} [{self.reason}; {flag}]; "
@@ -451,11 +454,38 @@ def pyspy_dump(pid: int, *, stopped: bool) -> tuple[str, str]:
     return "", f"stacks not available: py-spy: {why}"
 
 
+def declare_frozen(pids: Mapping[int, int], ranks: Mapping[int, int], frozen: list[int],
+                   report_dir: object) -> Hang:
+    """In place, the group's collective timed out and ``frozen`` (local ranks, state T) are why:
+    the hang restart-all's watchdogs would declare, with the stopped ranks' stacks dumped
+    (py-spy reads a stopped process without resuming it) and written to the hang report
+    before the caller kills them. The other ranks are listed as blocked, not dumped: they
+    have left the failed collective and wait for the next generation, so their stacks would
+    show the recovery, not the hang."""
+    now = time.monotonic()
+    infos: dict[int, RankState] = {}
+    for lr, pid in sorted(pids.items()):
+        state = _state(pid)
+        if lr in frozen:
+            text, note = pyspy_dump(pid, stopped=True)
+            dump = (text, "py-spy" if text else note, _where_pyspy(text) if text else None)
+        else:
+            dump = ("", "not dumped: waiting for the next generation", None)
+        infos[lr] = RankState(lr, ranks.get(lr, lr), pid, 0, 0.0, state, dump[2], dump[0], dump[1])
+    path = _write_report(Path(str(report_dir)) if report_dir is not None else None, "group_timeout",
+                         0.0, infos, frozen)
+    return Hang("group_timeout", 0.0, tuple(infos[lr] for lr in frozen if lr in infos),
+                tuple(infos[lr] for lr in sorted(infos) if lr not in frozen),
+                "stopped by a signal (state T)", socket.gethostname(), path, declared_at=now)
+
+
 def _write_report(report_dir: Optional[Path], kind: str, timeout: float,
                   infos: Mapping[int, RankState], culprits: list[int]) -> Optional[str]:
     if report_dir is None:
         return None
-    head = "a stopped rank found when a peer failed" if kind == "stopped_peer" else f"{kind} timeout {timeout:g}s"
+    head = {"stopped_peer": "a stopped rank found when a peer failed",
+            "group_timeout": "a stopped rank found when the group's collective timed out"
+            }.get(kind, f"{kind} timeout {timeout:g}s")
     lines = [f"progress watchdog: {head} on {socket.gethostname()}", ""]
     for lr in sorted(infos):
         i = infos[lr]
@@ -479,4 +509,4 @@ def worker_env(enabled: bool) -> dict[str, str]:
     return {"ELASTICTK_PROGRESS_STACKS": "1"} if enabled else {}
 
 
-__all__ = ["Hang", "ProgressWatch", "RankState", "check_timeout", "pyspy_dump", "worker_env"]
+__all__ = ["Hang", "ProgressWatch", "RankState", "check_timeout", "declare_frozen", "pyspy_dump", "worker_env"]

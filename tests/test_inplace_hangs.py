@@ -1,0 +1,59 @@
+"""Hangs in in-place jobs, caught and named; and chaos's own accounting of hangs and lost nodes.
+
+End to end through ``elastictk-chaos`` (real agents, real workers, real signals): one run per
+behaviour, the rest at unit level.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from elastictk.faults import Fault, plan_of
+
+ROOT = Path(__file__).resolve().parent.parent
+INPLACE = str(ROOT / "examples" / "train_inplace.py")
+INPLACE_JOB = ["--standalone", "--nproc-per-node", "3", "--max-restarts", "3", "--recovery", "in-place",
+               "--collective-timeout", "3"]
+INPLACE_CMD = ["--", INPLACE, "--steps", "40", "--step-time", "0.02"]
+
+
+def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
+                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
+
+
+def report(tmp: Path) -> dict:
+    return json.loads((tmp / "r" / "chaos-report.json").read_text())
+
+
+def events(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "r" / "chaos-events.jsonl").read_text().splitlines() if line]
+
+
+def checks(d: dict) -> dict[str, bool]:
+    return {c["name"]: c["ok"] for c in d["checks"]}
+
+
+def test_a_stopped_rank_in_place_is_named_with_its_stacks_before_the_kill(tmp_path: Path) -> None:
+    plan_of([Fault.of("hang", "rank:1", at_step=5)], watchdog_s=3).save(tmp_path / "plan.json")
+    r = chaos(tmp_path, "--plan", "plan.json", *INPLACE_JOB, *INPLACE_CMD)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert all(c["ok"] for c in d["checks"]), d["checks"]
+    assert checks(d)["every hang caught, its rank named"]
+    evs = events(tmp_path)
+    kinds = [e["kind"] for e in evs]
+    hang = next(e for e in evs if e["kind"] == "hang_detected")
+    assert hang["fields"]["rank"] == 1 and hang["fields"]["culprits"] == [1]
+    assert hang["fields"]["trigger"] == "group_timeout" and sorted(hang["fields"]["blocked"]) == [0, 2]
+    # named before the kill, the kill before the replacement, and recovered in place
+    assert kinds.index("hang_detected") < kinds.index("worker_frozen") < kinds.index("inplace_recovery")
+    assert "restart" not in kinds
+    failed = next(e for e in evs if e["kind"] == "worker_failed")
+    assert failed["fields"]["rank"] == 1 and failed["fields"]["cause"] == "hang_detected"
+    stacks = Path(hang["fields"]["report"]).read_text()
+    assert "CULPRIT" in stacks and "rank 1 " in stacks
+    if hang["fields"]["stacks_from"] == "py-spy":  # else it says why not (ptrace refused)
+        assert "train_inplace.py" in stacks

@@ -57,3 +57,47 @@ def test_a_stopped_rank_in_place_is_named_with_its_stacks_before_the_kill(tmp_pa
     assert "CULPRIT" in stacks and "rank 1 " in stacks
     if hang["fields"]["stacks_from"] == "py-spy":  # else it says why not (ptrace refused)
         assert "train_inplace.py" in stacks
+
+
+def test_the_collective_fault_survives_run_elastic_turning_the_timers_off() -> None:
+    """The order a worker under chaos and run_elastic sees: collective timers on, the fault's
+    wrapper on top, then ``unwatch_collectives``: the wrapper stays (its hang still blocks) and
+    calls the untimed all_reduce (no timer around a survivor's collective)."""
+    import torch.distributed as dist
+
+    from elastictk.faults import collective
+    from elastictk.timer import collectives
+
+    bare = dist.all_reduce
+    hits: list[str] = []
+    try:
+        collectives.watch_collectives(30.0)
+        collective.ensure_wrapped(on_hang=lambda: hits.append("hang check"))
+        collectives.unwatch_collectives()
+        wrapper = dist.all_reduce
+        assert wrapper is not bare and getattr(wrapper, "__elastictk_fault_inner__", None) is not None
+        inner = getattr(wrapper, "__elastictk_fault_inner__")
+        assert collective._current(inner) is bare
+        try:
+            dist.all_reduce(None)  # no process group: the bare all_reduce refuses, after the hook
+        except (ValueError, RuntimeError, AttributeError, TypeError):
+            pass
+        assert hits == ["hang check"]
+    finally:
+        collective.uninstall()
+        collectives.unwatch_collectives()
+    assert dist.all_reduce is bare
+
+
+def test_a_hang_in_collective_in_place_is_caught_and_recovered_in_place(tmp_path: Path) -> None:
+    plan_of([Fault.of("hang-in-collective", "rank:1", at_step=5)], watchdog_s=3).save(tmp_path / "plan.json")
+    r = chaos(tmp_path, "--plan", "plan.json", *INPLACE_JOB, *INPLACE_CMD)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    assert all(c["ok"] for c in d["checks"]), d["checks"]
+    assert d["totals"]["restarts"] == 1 and d["faults"][0]["detected_after"] is not None
+    evs = events(tmp_path)
+    kinds = [e["kind"] for e in evs]
+    expired = next(e for e in evs if e["kind"] == "timer_expired")
+    assert expired["fields"]["rank"] == 1 and expired["fields"]["scope"] == "all_reduce"
+    assert "inplace_recovered" in kinds and "restart" not in kinds and "inplace_fallback" not in kinds

@@ -63,8 +63,8 @@ def uninstall() -> None:
         for ns in _namespaces(module):
             fn = getattr(ns, OP, None)
             inner = getattr(fn, _INNER, None)
-            if inner is not None:
-                setattr(ns, OP, inner)
+            if inner is not None:  # not a collective timer that was turned off meanwhile
+                setattr(ns, OP, _current(inner))
 
 
 def _namespaces(c10d: ModuleType) -> list[ModuleType]:
@@ -82,29 +82,67 @@ def _patch(c10d: ModuleType) -> None:
             setattr(ns, OP, wrapped)
 
 
+_UNTIMED = "__elastictk_untimed__"  # what the collective timers' wrapper calls (timer.collectives)
+
+
 def _wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
+    # updated=(): not the wrapped function's attributes. Copied from the collective timers'
+    # wrapper, their "untimed original" mark would let ``unwatch_collectives`` (run_elastic
+    # calls it) take this wrapper for theirs and put the bare all_reduce back: the fault
+    # would fire and block nothing.
+    @functools.wraps(fn, updated=())
     def all_reduce(*args: Any, **kwargs: Any) -> Any:
         on_step, on_hang = _on_step, _on_hang
         if on_step is not None:
             on_step()
         if on_hang is not None:
             on_hang()
-        return fn(*args, **kwargs)
+        return _current(fn)(*args, **kwargs)
 
     setattr(all_reduce, _INNER, fn)
     return all_reduce
 
 
+def _current(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, or the untimed all_reduce inside it once the collective timers it was wrapped
+    around are off (``run_elastic`` turns them off after this wrapper went on top)."""
+    try:
+        from elastictk.timer import collectives
+    except ImportError:  # pragma: no cover - elastictk without its timer layer
+        return fn
+    while collectives.watching() is None and callable(getattr(fn, _UNTIMED, None)):
+        fn = getattr(fn, _UNTIMED)
+    return fn
+
+
+def _timeout() -> Optional[float]:
+    """The collective timeout in force: the timers', else (``run_elastic``, whose process group
+    times out instead) the launcher's ``--collective-timeout`` from the environment."""
+    from elastictk.timer import ENV_COLLECTIVE_TIMEOUT, collectives
+
+    timeout = collectives.watching()
+    if timeout is None:
+        try:
+            timeout = float(os.environ.get(ENV_COLLECTIVE_TIMEOUT, ""))
+        except ValueError:
+            return None
+    return timeout if timeout is not None and 0 < timeout < float("inf") else None
+
+
 def block_in_collective(op: str) -> None:
     """Block as a rank that never arrives in ``op``: under a watchdog timer named ``op`` when
-    collective timeouts are on, and for at most the hang limit, then exit."""
+    the job has a collective timeout, and for at most the hang limit, then exit.
+
+    Under ``run_elastic`` the collective timers are off (the process group times out and the
+    survivors re-form in place), yet this rank, which never reaches the backend, would never
+    time out: the same timeout is armed here, so the agent's reaper catches it (a
+    ``timer_expired`` naming its rank) and its death is recovered in place."""
     limit = hang_limit()
     timer: Any = contextlib.nullcontext()
     try:
-        from elastictk.timer import client, collectives
+        from elastictk.timer import client
 
-        timeout = collectives.watching()
+        timeout = _timeout()
         if timeout is not None:
             timer = client.expires(after=timeout, scope=op)
     except ImportError:  # pragma: no cover - elastictk without its timer layer

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -19,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastictk.metrics import AgentMetrics, MetricsServer, read_events
+from elastictk.store.endpoint import free_port
 from elastictk.testing import PrometheusError, PrometheusNotInstalled, PrometheusServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,3 +190,44 @@ def test_killed_worker_shows_up_in_prometheus(tmp_path: Path, prometheus_binary:
     assert kinds[-1] == "job_finished"
     (fail,) = read_events(log, kinds={"worker_failed"})
     assert fail.get("exit") == "SIGKILL" and fail.get("local_rank") == 1 and fail.run_id == job
+
+
+# -- the failed-job alert, from a real elastictk-run ------------------------------------------------
+
+FAILING = "import sys; sys.exit(3)\n"
+
+
+def run_failing_job(tmp_path: Path, port: int, linger: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING)
+    argv = [sys.executable, "-m", "elastictk.run", "--standalone", "--nproc-per-node", "1",
+            "--max-restarts", "0", "--metrics-port", str(port), "--metrics-linger", linger,
+            "--log-dir", str(tmp_path / "logs"), str(script)]
+    env = {k: v for k, v in os.environ.items() if k != "ELASTICTK_METRICS_SHM"}
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=ROOT, env=env, text=True, capture_output=True, timeout=120)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("linger", ["20", "0"], ids=["lingers", "no-linger"])
+def test_failed_job_fires_the_shipped_alert(tmp_path: Path, prometheus_binary: str, linger: str) -> None:
+    """A real elastictk-run job that fails, scraped by a real Prometheus with the shipped rules:
+    the exporter stays up until a scrape has seen state="failed", and ElastictkJobFailed fires.
+    Without the linger (--metrics-linger 0, what every failed job did before) it never fires."""
+    port = free_port("127.0.0.1")
+    with PrometheusServer([f"127.0.0.1:{port}"], rule_files=[RULES], base_dir=tmp_path) as prom:
+        done, took = run_failing_job(tmp_path, port, linger)
+        assert done.returncode == 1, done.stderr[-2000:]
+        alert = 'ALERTS{alertname="ElastictkJobFailed",alertstate="firing"}'
+        if linger == "0":
+            assert "until one scrape" not in done.stderr
+            time.sleep(10 * prom.scrape_interval)  # evaluations after the job's end
+            assert prom.value(f"max_over_time({alert}[5m])") is None
+            return
+        (line,) = [x for x in done.stderr.splitlines() if "until one scrape" in x]
+        assert f"127.0.0.1:{port}" in line and "at most 20s" in line and "Ctrl-C" in line
+        assert took < 20, "the wait should end at the first scrape, not at --metrics-linger"
+        fired = prom.wait_for(f"max_over_time({alert}[5m])", lambda v: v == 1)
+        assert fired == 1
+        (series,) = prom.query(f"max_over_time({alert}[5m])")
+        assert series["metric"]["node"] and series["metric"]["run_id"]

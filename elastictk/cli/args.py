@@ -117,6 +117,10 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "(default 0: off)"),
     (("--metrics-port",), False, "serve Prometheus metrics on this port (0: any free port)"),
     (("--metrics-host",), False, "address for the metrics server (default 127.0.0.1)"),
+    (("--metrics-linger",), False,
+     "when the job fails, keep serving metrics until one scrape has seen state=\"failed\" or "
+     "this many seconds pass (Ctrl-C ends the wait) (default 60 with a fixed --metrics-port, "
+     "0 with port 0)"),
     (("--restart-intensity",), False, "R/T: give up after more than R restarts in T seconds"),
     (("--health-check",), False,
      "command (sh -c) run before this node joins each round and every --health-interval in "

@@ -100,6 +100,7 @@ class LaunchConfig:
     startup_timeout: float | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    metrics_linger: float = 0.0  # seconds a failed job's exporter waits for a scrape (--metrics-linger)
     restart_intensity: tuple[int, float] | None = None
     restart_backoff: float = 0.0
     max_no_progress_restarts: int = 0  # 0: off (docs/launcher.md "Crash loops")

@@ -26,6 +26,8 @@ from .values import (
 
 PROG = "elastictk-run"
 TOKEN_ENV = "ELASTICTK_RDZV_TOKEN"  # --rdzv-token's variable (the parser reads ELASTICTK_<DEST>)
+DEFAULT_METRICS_LINGER = 60.0  # --metrics-linger with a fixed --metrics-port: a scrape or two
+MAX_METRICS_LINGER = 3600.0
 
 
 def config_from_namespace(
@@ -212,12 +214,28 @@ def _off_or_seconds(raw: str | None, default: float | None, where: str) -> float
 
 def _metrics(c: Flags) -> dict[str, Any]:
     ns = c.ns
+    port = (None if ns.metrics_port is None
+            else parse_port(ns.metrics_port, c.at("metrics_port", "--metrics-port")))
     return dict(
-        metrics_port=(None if ns.metrics_port is None
-                      else parse_port(ns.metrics_port, c.at("metrics_port", "--metrics-port"))),
+        metrics_port=port,
         metrics_host=(host(ns.metrics_host, c.at("metrics_host", "--metrics-host"))
                       if ns.metrics_host else "127.0.0.1"),
+        metrics_linger=_metrics_linger(c, port),
     )
+
+
+def _metrics_linger(c: Flags, port: int | None) -> float:
+    """``--metrics-linger``: how long a failed job's exporter waits for a scrape, so an alert on
+    ``state="failed"`` can fire. By default a minute for a fixed port (a scrape config names
+    it) and none for port 0 (no scrape config can name a port picked at random)."""
+    where = c.at("metrics_linger", "--metrics-linger")
+    if c.ns.metrics_linger is None:
+        return DEFAULT_METRICS_LINGER if port else 0.0
+    if port is None:
+        raise UsageError(f"{where} keeps the metrics exporter up, and there is none: add "
+                         "--metrics-port PORT or leave --metrics-linger out")
+    return parse_seconds(c.ns.metrics_linger, where, allow_zero=True,
+                         maximum=(MAX_METRICS_LINGER, "(an hour); pass e.g. --metrics-linger 60"))
 
 
 def _restart_policy(c: Flags) -> dict[str, Any]:

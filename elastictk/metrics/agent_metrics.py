@@ -143,6 +143,7 @@ class AgentMetrics:
         self._attempt_open = False
         self._prev_nodes: int | None = None
         self._timer_scopes: dict[int, str] = {}
+        self.current_state = "rendezvous"  # one of STATES: what elastictk_agent_state says now
         self._set_state("rendezvous")
         if steps is not None:
             registry.register(_StepsCollector(self, steps))
@@ -350,6 +351,7 @@ class AgentMetrics:
             self.world_size.labels(*self.labels).set(size)
 
     def _set_state(self, state: str) -> None:
+        self.current_state = state
         for s in STATES:
             self.state.labels(*self.labels, s).set(1 if s == state else 0)
 

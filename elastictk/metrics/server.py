@@ -84,6 +84,11 @@ class MetricsServer:
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._closed = False
+        # scrapes: requests whose head was read (numbered from 1), and the newest of them whose
+        # 200 response was sent whole; :meth:`wait_for_scrape` waits on the condition
+        self._requests = 0
+        self._served = 0
+        self._scraped = threading.Condition(self._lock)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._accept_loop, name=f"elastictk-metrics-{self.port}",
                                         daemon=True)
@@ -150,9 +155,17 @@ class MetricsServer:
         try:
             request = self._read_request(conn, time.monotonic() + self.request_timeout)
             if request is not None:
+                with self._lock:
+                    self._requests += 1
+                    number = self._requests
+                response = self._respond(request)
                 conn.settimeout(self.request_timeout)  # the whole sendall, not each send (3.5+)
-                conn.sendall(self._respond(request))
+                conn.sendall(response)
                 conn.shutdown(socket.SHUT_WR)
+                if request.startswith(b"GET ") and response.startswith(b"HTTP/1.1 200"):
+                    with self._scraped:
+                        self._served = max(self._served, number)
+                        self._scraped.notify_all()
         except OSError as e:  # a client gone, too slow to read, or shut down by close()
             log.debug("metrics http: connection dropped: %s", e)
         except Exception:  # noqa: BLE001 - a broken collector must not kill the server
@@ -211,6 +224,26 @@ class MetricsServer:
         log.debug("metrics http: %s %s -> %s", method, target, status)
         return _response(status, headers, b"" if method == "HEAD" else body)
 
+    # -- scrapes -------------------------------------------------------------------------------
+    @property
+    def requests(self) -> int:
+        """Requests read so far; pass it to :meth:`wait_for_scrape` to wait for a later one."""
+        with self._lock:
+            return self._requests
+
+    def wait_for_scrape(self, after: int, timeout: float) -> bool:
+        """Wait until a GET read after request number ``after`` has been answered whole with
+        200 (so it saw every metric as it was when :attr:`requests` was ``after``), or
+        ``timeout`` seconds pass; True if one was."""
+        deadline = time.monotonic() + timeout
+        with self._scraped:
+            while self._served <= after:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False
+                self._scraped.wait(remaining)
+            return True
+
     # -- shutting down -------------------------------------------------------------------------
     def close(self) -> None:
         """Stop serving and release the threads and sockets, within about :data:`CLOSE_WAIT`
@@ -219,6 +252,7 @@ class MetricsServer:
             if self._closed:
                 return
             self._closed = True
+            self._scraped.notify_all()  # a wait_for_scrape ends: nothing more will be served
         try:
             os.write(self._wake_w, b"x")
         except OSError:

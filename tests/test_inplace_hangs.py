@@ -101,3 +101,21 @@ def test_a_hang_in_collective_in_place_is_caught_and_recovered_in_place(tmp_path
     expired = next(e for e in evs if e["kind"] == "timer_expired")
     assert expired["fields"]["rank"] == 1 and expired["fields"]["scope"] == "all_reduce"
     assert "inplace_recovered" in kinds and "restart" not in kinds and "inplace_fallback" not in kinds
+
+
+def test_a_frozen_ddp_rank_caught_by_the_progress_watchdog_is_linked_to_its_fault(tmp_path: Path) -> None:
+    """No --collective-timeout, only --progress-timeout: the hang needs a restart all the same,
+    and its detection is the watchdog's verdict."""
+    plan_of([Fault.of("hang", "rank:1", at_s=2)]).save(tmp_path / "plan.json")
+    r = chaos(tmp_path, "--plan", "plan.json", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+              "--progress-timeout", "4", "--", str(ROOT / "examples" / "train_ddp.py"), "--epochs", "6",
+              "--samples", "160", "--step-time", "0.05", "--ckpt-dir", "{run_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    d = report(tmp_path)
+    ok = checks(d)
+    assert ok["restarts counted == failures that needed one"] and ok["every fault that needed a restart was detected"]
+    assert ok["every hang caught, its rank named"], d["checks"]
+    row = d["faults"][0]
+    assert row["fired"] and row["detected_after"] is not None and 3.5 <= row["detected_after"] < 15
+    assert row["restarts_used"] == 1
+    assert "1 restart(s) for 1 expected" in r.stdout

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..faults import FaultPlan
@@ -22,7 +22,8 @@ from .expect import Shape, expect
 from .runner import RunRecord
 
 SCHEMA = "elastictk.chaos-report/1"
-FAILURE_EVENTS = ("worker_failed", "peer_failed", "timer_expired")
+# A watchdog's verdict is the failure's detection: the kill (worker_failed) follows it.
+FAILURE_EVENTS = ("worker_failed", "peer_failed", "timer_expired", "hang_detected")
 RESTART_EVENTS = ("restart", "inplace_recovery")  # both spend one restart of the budget
 RUNNING_EVENTS = ("workers_started", "inplace_recovered")
 FIRED = "every planned fault fired"
@@ -55,7 +56,30 @@ class Check:
     detail: str
 
 
+def launcher_flag(argv: list[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` (or its underscore spelling) on the launcher's command line."""
+    for i, a in enumerate(argv):
+        name, _, given = a.partition("=")
+        if name in (flag, flag.replace("-", "_").replace("__", "--")):
+            return given or (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def watched(plan: FaultPlan, rec: RunRecord) -> FaultPlan:
+    """The plan as the job was watched: with no collective timeout (``watchdog_s``) but the
+    progress watchdog on (``--progress-timeout T``), a hang is caught all the same (T seconds
+    without a step), so it needs a restart like any failure, and a pause of T or more is a hang."""
+    if plan.watchdog_s is not None:
+        return plan
+    try:
+        t = float(launcher_flag(rec.argv, "--progress-timeout") or 0)
+    except ValueError:
+        return plan
+    return replace(plan, watchdog_s=t) if 0 < t <= 1e9 else plan
+
+
 def fault_rows(plan: FaultPlan, rec: RunRecord, shape: Optional[Shape] = None) -> list[FaultRow]:
+    plan = watched(plan, rec)
     rows = []
     for i, f in enumerate(plan.faults):
         inj = next((x for x in rec.injections if x.fault == i), None)
@@ -241,6 +265,7 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
     """The invariants; each names what it found when it fails. The first: every planned fault
     fired (``allow_unfired`` keeps the check but lets it pass; the reasons are still named).
     ``snapshot``/``snapshot_every``: the job's ``--snapshot`` tiers and ``--snapshot-every``."""
+    plan = watched(plan, rec)
     beyond = {r.index for r in rows if not r.fired and r.attempt is not None and r.attempt > max_restarts}
     out = [_fired(rows, allow_unfired, beyond)] + _invariants(plan, rec, rows, max_restarts=max_restarts,
                                                       ckpt_every=ckpt_every, expect_checksum=expect_checksum,
@@ -371,11 +396,7 @@ def straggler_settings(argv: list[str]) -> Optional[tuple[float, int]]:
     """``(interval, windows)`` of a run launched with ``--straggler-action report``; None when
     the run did not look for stragglers (the launcher's defaults otherwise: 5 s, 3)."""
     def value(flag: str) -> Optional[str]:
-        for i, a in enumerate(argv):
-            name, _, given = a.partition("=")
-            if name in (flag, flag.replace("-", "_").replace("__", "--")):
-                return given or (argv[i + 1] if i + 1 < len(argv) else None)
-        return None
+        return launcher_flag(argv, flag)
     if value("--straggler-action") != "report":
         return None
     try:

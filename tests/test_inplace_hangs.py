@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from elastictk.faults import Fault, plan_of
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastictk.faults import Fault, PlanError, generate_plan, plan_of
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = str(ROOT / "examples" / "train_inplace.py")
@@ -119,3 +123,35 @@ def test_a_frozen_ddp_rank_caught_by_the_progress_watchdog_is_linked_to_its_faul
     assert row["fired"] and row["detected_after"] is not None and 3.5 <= row["detected_after"] < 15
     assert row["restarts_used"] == 1
     assert "1 restart(s) for 1 expected" in r.stdout
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32), count=st.integers(1, 6), nodes=st.integers(2, 5),
+       spare=st.booleans(), kinds=st.sampled_from([["kill-agent"], ["kill-agent", "store-outage"],
+                                                   ["kill-agent", "sigkill", "store-outage"]]))
+def test_a_seeded_plan_never_aims_a_kill_at_a_node_an_earlier_kill_took_down(
+        seed: int, count: int, nodes: int, spare: bool, kinds: list[str]) -> None:
+    try:
+        plan = generate_plan(seed, count, nodes, kinds=kinds, seconds=(1.0, 100.0), min_gap_s=10.0,
+                             nodes=nodes, spare_nodes=(0,) if spare else ())
+    except PlanError as e:  # only when kills are all it may draw and the nodes run out
+        assert kinds == ["kill-agent"] and count > nodes - spare, e
+        assert "more kill-agent faults than nodes" in str(e) and "\n" not in str(e)
+        return
+    hit = [f.target.index for f in plan.faults if f.kind == "kill-agent"]
+    assert len(hit) == len(set(hit)), plan.faults
+    assert not spare or 0 not in hit
+    again = generate_plan(seed, count, nodes, kinds=kinds, seconds=(1.0, 100.0), min_gap_s=10.0,
+                          nodes=nodes, spare_nodes=(0,) if spare else ())
+    assert again == plan  # still replayable from its seed
+
+
+def test_two_kills_on_three_nodes_hit_two_nodes() -> None:
+    """The shape that failed: --nodes 3, c10d (node 0 spared), two kill-agent faults."""
+    for seed in range(40):
+        plan = generate_plan(seed, 2, 3, kinds=["kill-agent"], seconds=(1.0, 30.0), min_gap_s=10.0,
+                             nodes=3, spare_nodes=(0,))
+        assert sorted(f.target.index for f in plan.faults) == [1, 2], (seed, plan.faults)
+    with pytest.raises(PlanError, match="more kill-agent faults than nodes"):
+        generate_plan(0, 3, 3, kinds=["kill-agent"], seconds=(1.0, 40.0), min_gap_s=10.0, nodes=3,
+                      spare_nodes=(0,))

@@ -51,14 +51,35 @@ def generate(seed: int, knobs: Knobs) -> FaultPlan:
     for spec in kinds:  # fail on the knobs, not on whichever kind the seed happens to draw
         _target(None, parse_kind(spec.strip() + _bare_param(spec))[0], ranks, nodes, knobs)
     faults = []
+    killed: set[int] = set()  # nodes an earlier kill-agent of this plan takes down
     for pos in positions:
         spec = rng.choice(kinds)
+        if parse_kind(spec.strip() + _bare_param(spec))[0] == "kill-agent" and not _alive(nodes, killed, knobs):
+            spec = _instead_of_kill(rng, kinds, knobs)
         name, param = _kind(rng, spec, knobs)
-        target = _target(rng, name, ranks, nodes, knobs)
+        target = _target(rng, name, ranks, [n for n in nodes if n not in killed], knobs)
+        if name == "kill-agent" and target.index is not None:
+            killed.add(target.index)  # a killed node may rejoin, but not by plan: aim elsewhere
         when: dict[str, Any] = ({"at_step": pos} if knobs.steps is not None
                                 else {"at_s": pos / 1000})
         faults.append(Fault(name, target, param=param, **when))
     return FaultPlan(tuple(faults), watchdog_s=knobs.watchdog_s, seed=seed, knobs=knobs)
+
+
+def _alive(nodes: list[int], killed: set[int], knobs: Knobs) -> list[int]:
+    """The nodes a kill-agent may still hit: not spared, not killed by an earlier fault."""
+    return [n for n in nodes if n not in killed and n not in set(knobs.spare_nodes)]
+
+
+def _instead_of_kill(rng: random.Random, kinds: tuple[str, ...] | list[str], knobs: Knobs) -> str:
+    """Every node a kill-agent may hit is killed already: another of the plan's kinds is drawn,
+    since a kill aimed at a node that is not running cannot fire."""
+    others = [k for k in kinds if parse_kind(k.strip() + _bare_param(k))[0] != "kill-agent"]
+    if not others:
+        raise PlanError(f"more kill-agent faults than nodes that can be killed ({knobs.nodes} node(s), "
+                        f"spare_nodes={list(knobs.spare_nodes)}): a second kill of a node finds it not "
+                        "running; lower the count, add nodes or add another kind")
+    return rng.choice(others)
 
 
 def _spaced(rng: random.Random, lo: int, hi: int, count: int, gap: int,

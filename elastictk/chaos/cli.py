@@ -25,6 +25,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from ..faults import FaultPlan, PlanError, generate_plan
@@ -35,7 +36,9 @@ from .cluster import BACKENDS
 from .expect import Shape
 from .flags import MAX_REPORT_BYTES, FlagError, check_flags, check_never, in_flag_terms, report_dir, window
 from .multinode import run_nodes
-from .runner import OUTSIDE_SIGNALS, RunRecord, Stopped, owning_signals, run_job, stopped_by
+from .runner import (
+    OUTSIDE_SIGNALS, RunRecord, Stopped, keep_output, make_run_dir, owning_signals, run_job, stopped_by,
+)
 from .timeline import run_name, write_timeline
 
 PROG = "elastictk-chaos"
@@ -261,14 +264,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
           file=sys.stderr)
     expect = ns.expect_checksum
     if ns.compare_fault_free:
+        if ns.nodes > 1:  # run_job makes its own; the nodes' runner substitutes only
+            make_run_dir(out, "fault-free")
         clean = run_job(None, launcher, command, out, timeout=ns.timeout, tag="fault-free") if ns.nodes == 1 \
             else run_nodes(None, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
                            nproc=int(config.nproc_per_node), timeout=ns.timeout, tag="fault-free")
         if stopped_by() is not None:
             return 1
-        if clean.exit_code != 0 or clean.checksum is None:
-            print(f"{PROG}: error: the fault-free run did not finish with a checksum (exit "
-                  f"{clean.exit_code}); see {out}/fault-free-logs", file=sys.stderr)
+        problem = fault_free_problem(clean, keep_output(clean, out / "fault-free-logs"))
+        if problem is not None:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
             return 1
         expect = clean.checksum
     prog = Progress(plan, config.max_restarts)
@@ -278,6 +283,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         shape = Shape(ns.nodes, config.min_nodes, config.rdzv_backend, config.max_restarts,
                       float(config.rdzv_conf.get("heartbeat_timeout", max(10.0, hb * 3))), ns.rejoin is not None)
         multi = {"nodes": ns.nodes, "backend": config.rdzv_backend, "rejoin_s": ns.rejoin}
+        make_run_dir(out, "chaos")
         rec = run_nodes(plan, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
                         nproc=int(config.nproc_per_node), timeout=ns.timeout, rejoin_s=ns.rejoin, progress=prog,
                         auto_steps=not ns.no_auto_steps)
@@ -308,6 +314,20 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     for c in broken:
         print(f"{PROG}: invariant broken: {c.name}: {c.detail}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def fault_free_problem(clean: RunRecord, stdout: Path) -> Optional[str]:
+    """Why the fault-free run gives no checksum to compare with (one line, naming where its
+    output was kept and what the script must print), or None."""
+    logs = stdout.parent
+    if clean.exit_code != 0:
+        return (f"the fault-free run failed (exit {clean.exit_code}), so there is nothing to compare "
+                f"with; its output is in {logs}/ (job-stderr.log)")
+    if clean.checksum is None:
+        return ("the fault-free run printed no 'final checksum <hex>' line: with --compare-fault-free "
+                "the training script must print one at its end (e.g. print(f'final checksum {digest}') "
+                f"on rank 0); its output is in {stdout}")
+    return None
 
 
 def console_main() -> None:

@@ -133,6 +133,31 @@ class RunRecord:
         return found[-1] if found else None
 
 
+def with_run_dir(command: Sequence[str], out_dir: Path, tag: str) -> list[str]:
+    """``command`` with ``{run_dir}`` standing for ``<out_dir>/<tag>-run``, a directory of this
+    run's own (per-run checkpoints), made before the script runs: a script that opens a file in
+    it must not fail on a directory it was promised."""
+    run_dir = make_run_dir(out_dir, tag)
+    return [a.replace("{run_dir}", str(run_dir)) for a in command]
+
+
+def make_run_dir(out_dir: Path, tag: str) -> Path:
+    """``<out_dir>/<tag>-run``, made (what ``{run_dir}`` in the command stands for)."""
+    run_dir = out_dir / f"{tag}-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def keep_output(rec: RunRecord, logs: Path) -> Path:
+    """Write the job's relayed stdout and stderr into ``logs`` (made if missing), where error
+    lines point; returns the stdout file."""
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "job-stderr.log").write_text(rec.stderr)
+    out = logs / "job-stdout.log"
+    out.write_text(rec.stdout)
+    return out
+
+
 def launcher_argv(launcher_flags: Sequence[str], command: Sequence[str], events: Path, logs: Path) -> list[str]:
     """``python -m elastictk.run`` with the user's flags plus where the events and logs go."""
     return [sys.executable, "-m", "elastictk.run", *launcher_flags, "--event-log", str(events),
@@ -149,8 +174,7 @@ def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: S
         p.unlink(missing_ok=True)
     # The agent relays worker output through its own stdout: unbuffered, lines arrive as printed.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run_dir = out_dir / f"{tag}-run"  # per-run paths (checkpoints) via "{run_dir}" in the command
-    command = [a.replace("{run_dir}", str(run_dir)) for a in command]
+    command = with_run_dir(command, out_dir, tag)
     if plan is not None:
         env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps))
     argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")

@@ -174,31 +174,53 @@ def check_nodes(ns: argparse.Namespace, launcher: list[str]) -> None:
                     "(endpoint, job id, event logs); leave it out")
 
 
-class Progress:
-    """One updating line on a terminal; a plain line per change otherwise."""
+#: Not on a terminal (a CI log), the progress line is printed when a fault fires or a restart
+#: happens, and otherwise once per this many seconds while the step moves.
+PROGRESS_EVERY_S = 10.0
 
-    def __init__(self, plan: FaultPlan, max_restarts: int, stream=sys.stderr) -> None:  # type: ignore[no-untyped-def]
+
+class Progress:
+    """One updating line on a terminal. Elsewhere (a CI log, a pipe) a plain line per fault
+    fired or restart, one every :data:`PROGRESS_EVERY_S` seconds while steps advance, and the
+    last state at the end: a log of a long run stays readable, never a line per step."""
+
+    def __init__(self, plan: FaultPlan, max_restarts: int, stream=sys.stderr,  # type: ignore[no-untyped-def]
+                 every: float = PROGRESS_EVERY_S, clock=time.monotonic) -> None:
         self.plan, self.max_restarts, self.stream = plan, max_restarts, stream
         self.tty = stream.isatty()
+        self.every, self.clock = every, clock
         self.last = ""
+        self.last_events: tuple[int, int] | None = None
+        self.printed_at: float | None = None
+        self.pending = ""  # the newest line not printed yet (off a terminal)
 
     def __call__(self, rec: RunRecord) -> None:
+        now = self.clock()
         restarts = report.restarts_of(rec)
         step = max((s for _, s in rec.steps), default=0)
         fired = len({i.fault for i in rec.injections})
-        line = (f"{PROG}: {time.monotonic() - rec.started:5.1f}s  step {step}  faults {fired}/"
+        line = (f"{PROG}: {now - rec.started:5.1f}s  step {step}  faults {fired}/"
                 f"{len(self.plan)}  restarts {restarts}/{self.max_restarts}")
         key = line.split("s  ", 1)[1]
         if self.tty:
             self.stream.write("\r" + line.ljust(72))
             self.stream.flush()
         elif key != self.last:
-            print(line, file=self.stream, flush=True)
+            events = (fired, restarts)
+            due = self.printed_at is None or now - self.printed_at >= self.every
+            if events != self.last_events or due:
+                print(line, file=self.stream, flush=True)
+                self.printed_at, self.last_events, self.pending = now, events, ""
+            else:
+                self.pending = line
         self.last = key
 
     def done(self) -> None:
         if self.tty:
             self.stream.write("\n")
+        elif self.pending:  # the last state, if it was held back
+            print(self.pending, file=self.stream, flush=True)
+            self.pending = ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -269,7 +291,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         clean = run_job(None, launcher, command, out, timeout=ns.timeout, tag="fault-free") if ns.nodes == 1 \
             else run_nodes(None, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
                            nproc=int(config.nproc_per_node), timeout=ns.timeout, tag="fault-free")
-        if stopped_by() is not None:
+        if stopped_by() is not None:  # no faults ran yet: the fault-free output is the report
+            logs = keep_output(clean, out / "fault-free-logs").parent
+            print(f"{PROG}: interrupted during the fault-free run, before any fault; its output is "
+                  f"in {logs}/", file=sys.stderr)
             return 1
         problem = fault_free_problem(clean, keep_output(clean, out / "fault-free-logs"))
         if problem is not None:
@@ -291,8 +316,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         rec = run_job(plan, launcher, command, out, timeout=ns.timeout, progress=prog,
                       auto_steps=not ns.no_auto_steps)
     prog.done()
-    if stopped_by() is not None:
-        return 1
+    interrupted = stopped_by()
+    if interrupted is not None:  # what fired so far, marked; main() exits 128+N
+        print(f"{PROG}: interrupted by {signal.Signals(interrupted).name}: a partial report of what "
+              f"ran for {rec.ended - rec.started:.1f}s follows; its checks say nothing of the whole job",
+              file=sys.stderr)
     rows = report.fault_rows(plan, rec, shape)
     checks = report.check(plan, rec, rows, max_restarts=config.max_restarts, ckpt_every=ns.ckpt_every,
                           expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node),
@@ -301,6 +329,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     tot = report.totals(rec, rows)
     print(report.render(rows, tot, checks))
     data = report.to_json(plan, rec, rows, checks, launcher, command, multi)
+    if interrupted is not None:
+        data["interrupted"] = signal.Signals(interrupted).name
     (out / "chaos-report.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / "job-stdout.log").write_text(rec.stdout)
     (out / "job-stderr.log").write_text(rec.stderr)

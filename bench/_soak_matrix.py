@@ -105,14 +105,24 @@ SCENARIOS: tuple[Scenario, ...] = (
              (PLAIN, "--steps", "400", "--step-time", "0.05", "--print-every", "5", "--ckpt-dir", "{run_dir}"),
              time_plan=TimePlan(4, ("sigkill", "sigterm", "sigsegv", "hang"), (1.0, 17.0), 4.5, 2, 3.0)),
     # run_elastic under --recovery in-place: survivors keep their processes, a replacement joins.
+    # Hangs too: a stopped rank times the group's collective out and is named and replaced, a
+    # rank blocked in run_elastic's all_reduce is caught by its timer and replaced.
     Scenario("inplace-step", "in-place", INPLACE, "step",
-             ("--faults", "16", "--kinds", CRASHES, "--at-steps", "3:50"),
-             ("--standalone", "--nproc-per-node", "3", "--max-restarts", "16", "--recovery", "in-place"),
+             ("--faults", "16", "--kinds", f"{CRASHES},hang,hang-in-collective", "--at-steps", "3:50"),
+             ("--standalone", "--nproc-per-node", "3", "--max-restarts", "16", "--recovery", "in-place",
+              "--collective-timeout", "3"),
              (INPLACE, "--steps", "60", "--step-time", "0.02")),
     Scenario("inplace-time", "in-place", INPLACE, "time", (),
-             ("--standalone", "--nproc-per-node", "3", "--max-restarts", "3", "--recovery", "in-place"),
-             (INPLACE, "--steps", "500", "--step-time", "0.03"),
-             time_plan=TimePlan(3, ("sigkill", "sigterm", "sigsegv"), (1.0, 10.0), 3.5, 3)),
+             ("--standalone", "--nproc-per-node", "3", "--max-restarts", "4", "--recovery", "in-place",
+              "--collective-timeout", "3"),
+             (INPLACE, "--steps", "600", "--step-time", "0.03"),
+             time_plan=TimePlan(4, ("sigkill", "sigterm", "sigsegv", "hang"), (1.0, 14.0), 4.0, 3, 3.0)),
+    # DDP (its all-reduce issued from C++, no collective timer) watched by the progress
+    # watchdog alone: a frozen rank is caught by its missing steps, named, and restarted.
+    Scenario("ddp-progress", "restart-all", DDP, "time", (),
+             ("--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--progress-timeout", "4"),
+             (DDP, "--epochs", "40", "--samples", "160", "--step-time", "0.05", "--ckpt-dir", "{run_dir}"),
+             time_plan=TimePlan(2, ("hang",), (2.0, 14.0), 8.0, 2, 4.0)),
     # run_elastic restarted whole (restart-all) with pipelined snapshots in the agent's memory:
     # every restart resumes from memory, judged by steps lost per fault <= the snapshot bound.
     Scenario("snapshot-step", "restart-all", INPLACE, "step",

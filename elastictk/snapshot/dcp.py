@@ -200,8 +200,24 @@ class DcpDisk:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def forget_group(self) -> None:
-        self._group = None
+    def drop_group(self) -> None:
+        """Destroy the snapshot's group and forget it, now: its C++ destructor (which closes its
+        connections and joins gloo's threads) runs here, on this thread, while the interpreter
+        is whole, not whenever the last reference happens to go during interpreter shutdown;
+        and a peer still waiting in one of its collectives fails now instead of at a timeout.
+        A group already out of torch's registry (the default group destroyed) is only dropped."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        if group in c10d._world.pg_map:
+            try:
+                c10d.destroy_process_group(group)
+            except (RuntimeError, ValueError) as e:  # gone meanwhile: dropping it is what is left
+                warnings.warn(f"elastictk: the snapshot's process group: {e}", RuntimeWarning,
+                              stacklevel=2)
+        del group
 
     def save(self, step: int, tree: Any, group: Any) -> bool:
         """Write ``tree`` as step ``step``; True on rank 0 once ``COMPLETE`` is written.

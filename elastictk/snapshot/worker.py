@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import codec, copies, overlap, reshard
+from . import codec, copies, ending, overlap, reshard
 from .dcp import DcpDisk
 from .local import Region
 from .settings import Settings
@@ -108,6 +108,11 @@ class Snapshotter:
         self.gate = overlap.Gate()
         self._deferred: Optional[Deferred] = None
         self._specs: dict[tuple[Any, ...], reshard.Spec] = {}  # the last commit's DTensors
+        self._durable: Optional[int] = None  # the newest step this rank's disk save completed
+        self._failed: Optional[tuple[int, str]] = None  # the newest disk save that failed: why
+        self._settled: Optional[int] = None  # the step finish() last accounted for
+        if self.disk is not None:  # the newest commit on disk when the script ends (ending.py)
+            ending.watch(self)
 
     def moved(self, rank: int, world: int) -> None:
         """This process's rank or world size changed (``run_elastic``: a new generation); later
@@ -116,6 +121,7 @@ class Snapshotter:
             self.wait()
             self.rank, self.world = rank, world
             if self.disk is not None:
+                self.disk.drop_group()
                 self.disk = DcpDisk(str(self.disk.root), rank, world, key=self.settings.key)
 
     @property
@@ -168,13 +174,63 @@ class Snapshotter:
             if i >= 0 and self.region is not None:
                 self.region.seal(i)
             if due and self.disk is not None:  # DCP from the buffer: it holds the copy
-                tree = codec.read(self._buffer(i, length), clone=False)
-                self.disk.save(step, reshard.globalize(tree, self._specs), group)
+                self._save(step, i, length, group)
         except Exception as e:  # the tier fails, training goes on: say so once per cause
+            self._failed = (step, _one_line(e))
             key = type(e).__name__
             if key not in self._warned:
                 self._warned.add(key)
                 say(f"rank {self.rank}: snapshot of step {step} not written to disk: {e}")
+
+    def _save(self, step: int, i: int, length: int, group: Any) -> None:
+        assert self.disk is not None
+        tree = codec.read(self._buffer(i, length), clone=False)
+        self.disk.save(step, reshard.globalize(tree, self._specs), group)
+        self._durable = step
+
+    def finish(self, *, write: bool, final: bool) -> Optional[str]:
+        """The default group goes (``ending.py``): finish the running disk write while the
+        groups are alive; with ``write`` (the script's end, every rank here), also write the
+        newest commit if the disk tier lacks it (it was not due), once every rank's newest
+        commit is the same step; then destroy and drop the snapshot's own group. With ``final``
+        (the script ends), the line said when the newest commit is not on disk; None when it
+        is, when it was accounted for already, or when not ``final`` (run_elastic re-forms).
+        """
+        self.wait()
+        if self.disk is None or self._last is None or self._last[0] == self._settled:
+            if self.disk is not None:
+                self.disk.drop_group()
+            return None
+        step, i, length = self._last
+        why = ""
+        if write:  # every rank decides the same: each says its newest step and whether it is on disk
+            try:
+                group = self.disk.group()
+                views = gather_on(group, (step, step == self._durable), self.world)
+                if len({s for s, _ in views}) != 1:
+                    why = (f"the ranks' newest commits differ (steps {sorted({s for s, _ in views})}), "
+                           "so none is written")
+                elif not all(on_disk for _, on_disk in views):
+                    self._save(step, i, length, group)  # collective: every rank writes its part
+            except Exception as e:  # a peer gone, the directory refused: said below
+                why = _one_line(e)
+        self.disk.drop_group()
+        if step == self._durable:
+            self._settled = step
+            return None
+        if not why and self._failed is not None and self._failed[0] == step:
+            why = self._failed[1]
+        if not final:
+            return None  # run_elastic's teardown: training goes on, its end decides
+        gone = not why
+        why = why or "the process group was destroyed before it could be written"
+        self._settled = step
+        kept = f"step {self._durable}" if self._durable is not None else "none"
+        line = (f"rank {self.rank}: the newest commit, step {step}, is not on disk ({why}); the "
+                f"newest step this rank wrote there is {kept}; exiting 1"
+                + ("; call state.flush() before destroying the process group" if gone else ""))
+        say(line)
+        return line
 
     def _finish_copy(self, step: int, i: int, length: int) -> bool:
         """Copy the deferred tensors, check none changed meanwhile, publish; False when the
@@ -335,9 +391,26 @@ class Snapshotter:
 
     def close(self) -> None:
         self.wait()
+        if self.disk is not None:
+            self.disk.drop_group()
         self.gate.detach()
         if self.region is not None:
             self.region.close()
+
+
+def gather_on(group: Any, obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj`` over ``group`` (the snapshot's own; None alone: ``[obj]``)."""
+    if group is None:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
 def clone_tree(x: Any, clone: Callable[[Any], Any]) -> Any:

@@ -295,9 +295,9 @@ def _reference() -> list[Any]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _peer_port(pid: int, addr: str) -> int:
-    """The agent's peer server port: its one listening socket on the host's address (read from
-    the agent's own /proc/<pid>/net/tcp, which shows its network namespace)."""
+def _peer_port(pid: int, addr: str) -> list[int]:
+    """The agent's listening ports on the host's address (read from the agent's own
+    /proc/<pid>/net/tcp, which shows its network namespace)."""
     from elastictk.lifetime import procfs
 
     agent = next(p for p in [pid, *procfs.descendants(pid)] if "elastictk.run" in " ".join(procfs_cmdline(p)))
@@ -316,12 +316,23 @@ def _peer_port(pid: int, addr: str) -> int:
         ip_hex, port_hex = f[1].split(":")
         if f[3] == "0A" and f[9] in inodes and ip_hex == want:
             ports.append(int(port_hex, 16))
-    assert len(ports) == 1, ports
-    return ports[0]
+    return ports
+
+
+def _says_hello(addr: str, port: int) -> bool:
+    """Whether ``port`` opens with the peer tier's hello (the agent also listens for its stores)."""
+    try:
+        with socket.create_connection((addr, port), timeout=1) as s:
+            return s.recv(4, socket.MSG_WAITALL) != b"" and b"elastictk-peer/1" in s.recv(4096)
+    except OSError:
+        return False
 
 
 def _origins(host: Any, pid: int) -> set[str]:
-    port = _peer_port(pid, host.addr)
+    ports = [p for p in _peer_port(pid, host.addr) if p != PORT]
+    ours = host.call(lambda: [p for p in ports if _says_hello(host.addr, p)])
+    assert len(ours) == 1, (ports, ours)
+    port = ours[0]
 
     def ask() -> set[str]:
         c = PeerClient(host.addr, port, TOKEN.encode(), "peerjob", timeout=5)

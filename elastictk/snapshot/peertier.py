@@ -31,6 +31,7 @@ from .peer import PeerClient, PeerServer
 from .replicas import Key, Replicas
 from .ring import ring_targets, to_fetch
 from .settings import ENV_NOTIFY, human
+from .messages import endpoint
 from .wire import WireError
 
 log = logging.getLogger("elastictk.snapshot")
@@ -99,9 +100,8 @@ class PeerTier:
         self._previous = ids
         ends: list[Optional[Endpoint]] = []
         for m in members:
-            port, addr = m.meta.get(META_PORT), m.meta.get("addr")
-            ok = isinstance(port, int) and isinstance(addr, str)
-            ends.append((m.node_id, addr, port) if ok else None)  # type: ignore[arg-type]
+            where = endpoint(m.meta, META_PORT)
+            ends.append(None if where is None else (m.node_id, *where))
         pos = next(i for i, m in enumerate(members) if m.node_id == node_id)
         targets = [e for p in ring_targets(pos, len(members), self.count) if (e := ends[p]) is not None]
         with self._lock:
@@ -138,7 +138,7 @@ class PeerTier:
     def _fetch(self, client: PeerClient, region: Region, e: Endpoint, rank: int, world: int, step: int) -> None:
         t0 = time.monotonic()
         try:
-            raw, _ = client.get(rank, world, step)
+            raw, _ = client.get(rank, world, step, limit=region.slot_size)
             took = (time.monotonic() - t0) * 1000
             region.adopt(step, memoryview(raw), rank, world,
                          origin=f"peer {e[1]} (fetched by the agent in {took:.1f} ms)")

@@ -93,6 +93,8 @@ class Replicas:
     def reserve(self, key: Key, digest: int, length: int) -> Replica:
         """Memory for a replica about to be received; :class:`NoRoom` if it cannot fit even
         after the replicas keeping it would drop."""
+        if length < 0:  # messages.put_request refuses it; the budget arithmetic must never see one
+            raise ValueError(f"a replica of {length} bytes")
         with self._lock:
             freed = sum(self._held[k].length for k in superseded(self._held, key))
             if self.used() - freed + length > self.budget:

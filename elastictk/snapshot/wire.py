@@ -1,31 +1,24 @@
-"""Frames and the handshake the peer tier's agents speak to each other (no torch, no pickle).
+"""Frames the peer tier's agents speak to each other (no torch, no pickle).
 
-A frame is ``u32 length (big endian) | JSON header``, followed by exactly ``header["nbytes"]``
-raw bytes when the header says so. A connection opens with a challenge-response keyed by the
-job's rendezvous token, so the token never crosses the wire and neither side can be replayed::
-
-    server -> {"hello": "elastictk-peer/1", "auth": "hmac-sha256" | "none", "nonce": <32 hex>}
-    client -> {"nonce": <32 hex>, "mac": HMAC(token, CONTEXT|"client"|job|server nonce|client nonce)}
-    server -> {"ok": true, "mac": HMAC(token, CONTEXT|"server"|job|server nonce|client nonce)}
-
-Both sides check the other's MAC: a client without the token is refused, and a client never
-hands a part to (or takes one from) a server that does not know it. Without a token (a job run
-without one) both say ``"none"`` and anyone who reaches the port is believed, as torchrun
-believes its store.
+A frame is ``u32 length (big endian) | JSON header``, followed by exactly the number of raw
+bytes the header announces when it announces any. Reading a header is bounded three ways,
+because its bytes come from whoever reached the port: a length limit the caller picks (a few
+KiB before the handshake, more after), an optional deadline for the whole header (not per
+byte: a peer that trickles one byte a second is still dropped on time), and a strict JSON parse
+(no NaN or Infinity, no nesting deep enough to exhaust the parser, valid UTF-8, an object at
+the top). Anything else is a :class:`WireError` in one line, never another exception. What the
+fields mean and which values are valid is :mod:`.messages`' job.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import secrets
 import socket
 import struct
+import time
 from typing import Any, Optional
 
-CONTEXT = b"elastictk-peer/1"
 LENGTH = struct.Struct(">I")
-MAX_HEADER = 1 << 20  # a header is a few hundred bytes; more is not a peer of ours
+MAX_HEADER = 1 << 20  # the longest header read after the handshake (an index reply of many replicas)
 CHUNK = 1 << 22  # bytes per recv_into/sendall call on large payloads
 
 
@@ -37,88 +30,66 @@ class Refused(WireError):
     """The handshake failed: the other side does not know the job's token (or we do not)."""
 
 
-def mac(key: bytes, role: str, job: str, server_nonce: str, client_nonce: str) -> str:
-    msg = b"\n".join((CONTEXT, role.encode(), job.encode(), server_nonce.encode(), client_nonce.encode()))
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+class Late(WireError):
+    """The other side did not send what it had to before the deadline."""
 
 
 def send(sock: socket.socket, header: dict[str, Any], payload: Optional[memoryview] = None) -> None:
-    body = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    body = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     sock.sendall(LENGTH.pack(len(body)) + body)
     if payload is not None:
         for start in range(0, len(payload), CHUNK):
             sock.sendall(payload[start:start + CHUNK])
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` exactly; :class:`WireError` if the connection ends first."""
+def recv_into(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+    """Fill ``view`` exactly; :class:`WireError` if the connection ends first, :class:`Late` if
+    ``deadline`` (``time.monotonic()``) passes first. With a deadline the socket's timeout is
+    changed; the caller sets it again for what follows."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], min(CHUNK, n - got))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Late(f"{got} of {n} bytes arrived before the deadline")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(CHUNK, n - got))
+        except TimeoutError:
+            if deadline is None:
+                raise
+            continue  # the deadline check above says it
         if k == 0:
             raise WireError(f"connection closed after {got} of {n} bytes")
         got += k
 
 
-def recv(sock: socket.socket) -> dict[str, Any]:
-    head = bytearray(LENGTH.size)
-    recv_into(sock, memoryview(head))
-    (n,) = LENGTH.unpack(head)
-    if n > MAX_HEADER:
-        raise WireError(f"a frame header of {n} bytes: not an elastictk peer")
-    body = bytearray(n)
-    recv_into(sock, memoryview(body))
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number here")
+
+
+def parse(body: bytes) -> dict[str, Any]:
+    """A header's bytes as a JSON object; :class:`WireError` naming why not."""
     try:
-        out = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise WireError("a frame header that is not JSON: not an elastictk peer") from None
+        out = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise WireError("a frame header that is not UTF-8: not an elastictk peer") from None
+    except RecursionError:
+        raise WireError("a frame header nested too deep: not an elastictk peer") from None
+    except ValueError as e:  # json.JSONDecodeError, NaN/Infinity, an int of too many digits
+        raise WireError(f"a frame header that is not JSON ({str(e)[:80]}): not an elastictk peer") from None
     if not isinstance(out, dict):
         raise WireError("a frame header that is not a JSON object: not an elastictk peer")
     return out
 
 
-def greet(sock: socket.socket, key: Optional[bytes], job: str) -> None:
-    """The server's side of the handshake; :class:`Refused` (after telling the client) if the
-    client does not prove it knows the token."""
-    nonce = secrets.token_hex(16)
-    send(sock, {"hello": CONTEXT.decode(), "auth": "hmac-sha256" if key else "none", "nonce": nonce})
-    reply = recv(sock)
-    theirs = reply.get("nonce")
-    if key is None:
-        if reply.get("mac") is not None:
-            send(sock, {"ok": False, "why": "this job runs without a token"})
-            raise Refused("the client has a token, this job runs without one")
-        send(sock, {"ok": True})
-        return
-    good = isinstance(theirs, str) and isinstance(reply.get("mac"), str) and hmac.compare_digest(
-        reply["mac"], mac(key, "client", job, nonce, theirs))
-    if not good:
-        send(sock, {"ok": False, "why": "not signed with this job's rendezvous token"})
-        raise Refused("the client does not know this job's rendezvous token")
-    send(sock, {"ok": True, "mac": mac(key, "server", job, nonce, str(theirs))})
-
-
-def introduce(sock: socket.socket, key: Optional[bytes], job: str) -> None:
-    """The client's side of the handshake; :class:`Refused` if either side lacks the token."""
-    hello = recv(sock)
-    if hello.get("hello") != CONTEXT.decode() or not isinstance(hello.get("nonce"), str):
-        raise WireError("the other side is not an elastictk snapshot peer")
-    nonce = secrets.token_hex(16)
-    if hello.get("auth") == "none":
-        if key is not None:
-            raise Refused("the peer runs without a token, this node has one")
-        send(sock, {"nonce": nonce})
-    else:
-        if key is None:
-            send(sock, {"nonce": nonce})
-            recv(sock)
-            raise Refused("the peer requires the job's rendezvous token, this node has none")
-        send(sock, {"nonce": nonce, "mac": mac(key, "client", job, hello["nonce"], nonce)})
-    answer = recv(sock)
-    if not answer.get("ok"):
-        raise Refused(f"refused by the peer: {answer.get('why', 'no reason given')}")
-    if key is not None:
-        theirs = answer.get("mac")
-        if not (isinstance(theirs, str)
-                and hmac.compare_digest(theirs, mac(key, "server", job, hello["nonce"], nonce))):
-            raise Refused("the peer does not know this job's rendezvous token")
+def recv(sock: socket.socket, limit: int = MAX_HEADER, deadline: Optional[float] = None) -> dict[str, Any]:
+    """One header of at most ``limit`` bytes, whole before ``deadline`` if one is given."""
+    head = bytearray(LENGTH.size)
+    recv_into(sock, memoryview(head), deadline)
+    (n,) = LENGTH.unpack(head)
+    if n > limit:
+        raise WireError(f"a frame header of {n} bytes (at most {limit} here): not an elastictk peer")
+    body = bytearray(n)
+    recv_into(sock, memoryview(body), deadline)
+    return parse(bytes(body))

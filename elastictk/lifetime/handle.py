@@ -14,7 +14,7 @@ import select
 import signal
 from typing import Optional
 
-from .procfs import read_stat, start_time
+from .procfs import ProcUnreadable, read_stat, start_time, stat
 
 
 class ProcessHandle:
@@ -39,20 +39,43 @@ class ProcessHandle:
             self._fd = -1  # no pidfd on this kernel: start time checks only
         now = start_time(pid)
         self.start_time = now if expected_start_time is None else expected_start_time
+        # The pidfd is proven to be the registered process once its start time matched while
+        # the pidfd showed it running (checked after the read): from then on "alive" needs no
+        # /proc read, so a /proc this process cannot read (out of fds) never looks like a death.
+        self._verified = False
+        if now is not None:
+            self._verify(now)
+
+    def _verify(self, now: int) -> bool:
+        if now == self.start_time and self._fd is not None and self._fd >= 0 and not self.exited():
+            self._verified = True
+        return self._verified
 
     def same_process(self) -> bool:
-        """Still the registered process: alive, and its PID has the registered start time."""
+        """Still the registered process: alive, and its PID has the registered start time.
+        False also when that cannot be told now (``/proc`` unreadable before the pidfd was
+        verified): the answer gates signals."""
         if self.exited():
             return False
-        now = start_time(self.pid)
-        return now is not None and now == self.start_time
+        if self._verified:
+            return True
+        try:
+            st = stat(self.pid)
+        except ProcUnreadable:
+            return False
+        if st is None or st.start_time != self.start_time:
+            return False
+        return self._verify(st.start_time) or self._fd == -1
 
     def exited(self) -> bool:
         """The process is gone (or a zombie): its pidfd is readable."""
         if self._fd is None:
             return True
         if self._fd < 0:
-            st = read_stat(self.pid)
+            try:
+                st = stat(self.pid)
+            except ProcUnreadable:
+                return False  # not known to have exited: an fd error is not a death
             return st is None or st.state == "Z"
         p = select.poll()
         p.register(self._fd, select.POLLIN)
@@ -60,11 +83,16 @@ class ProcessHandle:
 
     def held(self) -> bool:
         """Its PID still names it: alive, or a zombie not yet reaped (a zombie keeps its PID,
-        process group and session ids allocated, so none of them can have been reused)."""
+        process group and session ids allocated, so none of them can have been reused).
+
+        :class:`~.procfs.ProcUnreadable` when only ``/proc`` could tell (the process has exited,
+        or the pidfd is unverified) and it cannot be read now."""
         if self._fd is None:
             return False
-        now = start_time(self.pid)
-        return now is not None and now == self.start_time
+        if self._verified and not self.exited():
+            return True
+        st = stat(self.pid)
+        return st is not None and st.start_time == self.start_time
 
     @classmethod
     def pin(cls, pid: int, expected_start_time: int) -> "Optional[ProcessHandle]":

@@ -8,6 +8,7 @@ every caller from getting that wrong.
 """
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -32,10 +33,39 @@ def parse_stat(raw: bytes) -> ProcStat:
                     session=int(fields[3]), start_time=int(fields[19]))
 
 
-def read_stat(pid: int) -> Optional[ProcStat]:
-    """``/proc/<pid>/stat`` parsed, or None if there is no such process (or it cannot be read).
+GONE = (errno.ENOENT, errno.ESRCH)
+"""The only errors reading ``/proc/<pid>`` that mean the process is gone."""
 
-    Safe in a ``preexec_fn``: one open, one read, no allocation beyond the line's fields.
+
+class ProcUnreadable(OSError):
+    """``/proc`` could not be read for a reason that says nothing about the process (out of
+    file descriptors, EACCES, ENOMEM...): it may well be alive, so nothing may be decided as if
+    it were gone."""
+
+
+def stat(pid: int) -> Optional[ProcStat]:
+    """``/proc/<pid>/stat`` parsed; None only if the process is gone (ENOENT/ESRCH, or a line
+    cut short by its exit); :class:`ProcUnreadable` if ``/proc`` cannot tell now. For every
+    decision that treats a process as gone (forget it, stop tracking it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        if e.errno in GONE:
+            return None
+        raise ProcUnreadable(e.errno, f"/proc/{pid}/stat cannot be read now: {e.strerror}") from None
+    try:
+        return parse_stat(raw)
+    except (ValueError, IndexError):
+        return None
+
+
+def read_stat(pid: int) -> Optional[ProcStat]:
+    """``/proc/<pid>/stat`` parsed, or None if there is no such process or it cannot be read.
+
+    Best effort, for callers where "cannot tell" and "gone" lead to the same safe action (not
+    signalling, not listing); a decision that a process is gone uses :func:`stat`. Safe in a
+    ``preexec_fn``: one open, one read, no allocation beyond the line's fields.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

@@ -36,7 +36,7 @@ import time
 from typing import Callable, Iterable, Mapping, Optional
 
 from .handle import ProcessHandle
-from .procfs import ProcStat, own_children, read_stat, snapshot
+from .procfs import ProcStat, ProcUnreadable, own_children, read_stat, snapshot, stat
 from .ready import readable
 
 PR_SET_PDEATHSIG = 1
@@ -202,17 +202,38 @@ class TrackedSession:
         self._released = True
 
     def leader_held(self) -> bool:
-        return not self._released and self.leader.held()
+        """Whether ``killpg(S)`` may be sent: False also when ``/proc`` cannot tell now."""
+        try:
+            return not self._released and self.leader.held()
+        except ProcUnreadable:
+            return False
 
-    def proven(self) -> bool:
-        """Session S is still this worker's session now (see the class docstring)."""
-        if self.leader_held():
+    def _proven(self) -> bool:
+        """:meth:`proven`, or :class:`~.procfs.ProcUnreadable` when ``/proc`` cannot tell."""
+        if not self._released and self.leader.held():
             return True
         for h in self.members.values():
-            st = read_stat(h.pid)
+            st = stat(h.pid)
             if st is not None and st.session == self.sid and h.same_process():
                 return True
         return False
+
+    def proven(self) -> bool:
+        """Session S is still this worker's session now (see the class docstring); False when
+        ``/proc`` cannot tell (so nothing is pinned on its word)."""
+        try:
+            return self._proven()
+        except ProcUnreadable:
+            return False
+
+    def finished(self) -> bool:
+        """Nothing of this session is left to track: the leader let go or gone, and no pinned
+        member still in the session. False while ``/proc`` cannot tell: only ENOENT/ESRCH say a
+        process is gone, never running out of file descriptors."""
+        try:
+            return not self._proven()
+        except ProcUnreadable:
+            return False
 
     def _pin_children(self, tree: Tree, parents: "list[ProcessHandle]") -> list[ProcessHandle]:
         new: list[ProcessHandle] = []

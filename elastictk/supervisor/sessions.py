@@ -87,9 +87,8 @@ class WorkerSessions:
         self._next_sweep = now + SWEEP_EVERY
         reap_orphans()
         for session in list(self._all):
-            if session.leader_held() or session.proven():
-                continue
-            self._forget(session)
+            if session.finished():  # never on an unreadable /proc: an fd error is not a death
+                self._forget(session)
 
     def end_attempt(self) -> None:
         """The attempt is over (everything in it killed and reaped): let every session go."""

@@ -21,11 +21,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
 
 from elastictk.snapshot.dcp import DcpDisk
+from elastictk.snapshot.ending import script_ends
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,3 +149,34 @@ def test_a_group_destroyed_where_elastictk_cannot_see_it_is_one_line_and_exit_1(
                      "this rank wrote there is step 3; exiting 1; call state.flush() before "
                      "destroying the process group"], proc.stderr
     assert steps_on_disk(tmp_path) == [3]
+
+
+def _chain(*callers: tuple[str, str]) -> bool:
+    """script_ends() seen from a call chain, outermost first: ``(module, function)`` each
+    calling the next directly, the last calling it as the destroy wrapper does (its caller's
+    frame)."""
+    def probe() -> bool:
+        return script_ends(sys._getframe(2))  # probe <- the wrapper <- the wrapper's caller
+
+    inner: Callable[[], bool] = probe
+    for module, name in reversed([*callers, ("elastictk.snapshot.ending", "destroy_process_group")]):
+        g: dict[str, Any] = {"__name__": module, "inner": inner}
+        exec(f"def {name}():\n    return inner()\n", g)  # noqa: S102 - a frame of that module and name
+        inner = g[name]
+    return bool(inner())
+
+
+def test_only_the_scripts_own_destroy_and_run_elastics_finished_close_end_the_script() -> None:
+    """run_elastic's teardown at a failure or re-forming must not write (a collective while a
+    peer may be gone could hang); its close after the loop, and any script's call, must."""
+    session = "elastictk.inplace.session"
+    assert _chain(("__main__", "main"))
+    assert not _chain((session, "leave"), (session, "_teardown"))
+    assert _chain((session, "close"), (session, "_teardown"))
+    # another wrapper of destroy_process_group in between (groupkeep's): its caller decides
+    assert not _chain((session, "_teardown"), ("elastictk.supervisor.groupkeep", "destroy_process_group"))
+    assert _chain(("__main__", "main"), ("elastictk.supervisor.groupkeep", "destroy_process_group"))
+    try:
+        raise RuntimeError("a collective failed")
+    except RuntimeError:  # close on the way out of an error: not the end of training
+        assert not _chain((session, "close"), (session, "_teardown"))

@@ -219,7 +219,8 @@ def test_close_returns_at_once_whatever_slow_clients_do() -> None:
         assert deaf.recv(1) == b"H"  # the response has started; now it stops reading
         time.sleep(1.5)  # the trickler has sent a byte or two; the sender is blocked
         serving = [t for t in server_threads() if t.name != f"elastictk-metrics-{srv.port}"]
-        assert len(serving) == 3  # one request thread per client, all stuck on it
+        assert len(serving) == 1  # the deaf client's response; the other two wait without a thread
+        assert srv.pending_connections == 2
         start = time.monotonic()
         closer.start()
         closer.join(timeout=1.5)
@@ -260,22 +261,50 @@ def test_a_client_trickling_bytes_is_dropped_at_the_request_deadline() -> None:
         assert fetch("127.0.0.1", srv.port)[0] == 200  # a normal scrape is served as before
 
 
-def test_connections_past_the_cap_are_closed_at_once() -> None:
+def test_a_scrape_succeeds_while_32_idle_connections_are_open() -> None:
+    with MetricsServer(registry_with_a_counter(), port=0, request_timeout=30) as srv:
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(32)]
+        try:
+            t0 = time.monotonic()
+            status, text = fetch("127.0.0.1", srv.port)
+            assert status == 200 and 'elastictk_test_things_total{job="j"} 3.0' in text
+            assert time.monotonic() - t0 < 2.0
+            assert not any(_dropped(c, 0.01) for c in idle), "idle clients are kept until their deadline"
+            assert srv.pending_connections == 32
+            assert len([t for t in server_threads() if "conn" in t.name]) == 0, "idle clients hold no thread"
+        finally:
+            for c in idle:
+                c.close()
+
+
+def test_past_max_pending_the_oldest_idle_connection_makes_room() -> None:
     cap = 4
-    with MetricsServer(registry_with_a_counter(), port=0, request_timeout=30, max_connections=cap) as srv:
+    with MetricsServer(registry_with_a_counter(), port=0, request_timeout=30, max_pending=cap) as srv:
         clients = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(cap + 5)]
         try:
-            dropped = [c for c in clients if _dropped(c, 0.3)]
-            assert len(dropped) == 5  # the excess, closed without waiting for a request
-            assert srv.open_connections == cap
-            assert len([t for t in server_threads() if "conn" in t.name]) == cap
-            with pytest.raises(OSError):
-                fetch("127.0.0.1", srv.port)  # full: refused, not queued behind the silent ones
+            time.sleep(0.2)
+            dropped = [i for i, c in enumerate(clients) if _dropped(c, 0.3)]
+            assert dropped == list(range(5)), dropped  # the oldest go; the newest wait
+            assert srv.pending_connections == cap
+            assert fetch("127.0.0.1", srv.port)[0] == 200  # and a scrape is never kept out
         finally:
             for c in clients:
                 c.close()
-        deadline = time.monotonic() + 10
-        while srv.open_connections and time.monotonic() < deadline:
-            time.sleep(0.01)
-        status, text = fetch("127.0.0.1", srv.port)
-        assert status == 200 and 'elastictk_test_things_total{job="j"} 3.0' in text
+
+
+def test_whole_requests_past_max_connections_get_503_at_once() -> None:
+    reg = registry_with_a_counter()
+    reg.register(_BigHelp())
+    with MetricsServer(reg, port=0, request_timeout=30, max_connections=1) as srv:
+        deaf = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        deaf.settimeout(30)
+        try:
+            deaf.connect(("127.0.0.1", srv.port))
+            deaf.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert deaf.recv(1) == b"H"  # its response is being sent; it stops reading
+            assert srv.open_connections == 1
+            status, _ = fetch("127.0.0.1", srv.port)
+            assert status == 503
+        finally:
+            deaf.close()

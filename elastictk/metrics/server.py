@@ -9,7 +9,12 @@ This server runs prometheus-client's WSGI app behind a small HTTP/1.1 front end 
 - a per-request deadline: a client that has not sent its whole request within
   ``request_timeout`` seconds of connecting is dropped, however it trickles bytes in; a client
   that does not read its response is dropped ``request_timeout`` seconds into sending it;
-- a cap on concurrent connections: past ``max_connections`` a new connection is closed at once;
+- idle connections cost no thread and block nobody: the accept loop itself reads request heads
+  from every connection without blocking, and only a connection whose whole request has arrived
+  gets a thread. At most ``max_pending`` connections wait for their request (a new one closes
+  the oldest, whose deadline is nearest), so a crowd of idle clients cannot keep a scrape out;
+- a cap on responses being sent at once: past ``max_connections`` a whole request is answered
+  ``503`` at once;
 - :meth:`MetricsServer.close` stops accepting, shuts every open connection down (which wakes
   its thread at once, whatever the client does), joins the threads and returns within
   :data:`CLOSE_WAIT` seconds.
@@ -27,7 +32,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -39,6 +44,7 @@ MAX_REQUEST_BYTES = 16 * 1024
 CLOSE_WAIT = 0.8
 """The longest :meth:`MetricsServer.close` waits for request threads once their sockets are shut."""
 DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_MAX_PENDING = 128
 
 _App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -51,13 +57,18 @@ class MetricsServer:
     """``with MetricsServer(registry, port=0) as srv: print(srv.url)``; starts serving at once."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
-                 request_timeout: float = 10.0, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 request_timeout: float = 10.0, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise MetricsServerError(f"metrics port {port!r}: use 0 (any free port) to 65535")
         if not request_timeout > 0:
             raise MetricsServerError(f"metrics request timeout {request_timeout!r}: use a number of seconds > 0")
         if not isinstance(max_connections, int) or max_connections < 1:
             raise MetricsServerError(f"metrics max_connections {max_connections!r}: use 1 or more")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise MetricsServerError(f"metrics max_pending {max_pending!r}: use 1 or more")
+        self.max_pending = max_pending
+        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first; the loop's own
         self._app: _App = make_wsgi_app(registry)
         self.request_timeout = float(request_timeout)
         self.max_connections = max_connections
@@ -106,24 +117,48 @@ class MetricsServer:
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (never more than ``max_connections``)."""
+        """Responses being sent now (never more than ``max_connections``)."""
         with self._lock:
             return len(self._conns)
 
-    # -- accepting -----------------------------------------------------------------------------
+    @property
+    def pending_connections(self) -> int:
+        """Connections waiting for their whole request (never more than ``max_pending``)."""
+        return len(self._pending)
+
+    # -- accepting and reading requests (one thread, never blocking) ----------------------------
     def _accept_loop(self) -> None:
         sel = selectors.DefaultSelector()
         try:
             sel.register(self._listener, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
             while not self._closed:
-                for key, _ in sel.select():
+                soonest = min((d for d, _ in self._pending.values()), default=None)
+                wait = None if soonest is None else max(0.0, soonest - time.monotonic())
+                for key, _ in sel.select(wait):
                     if key.fileobj is self._listener:
-                        self._accept_all()
+                        self._accept_all(sel)
+                    elif key.fileobj is not self._wake_r and isinstance(key.fileobj, socket.socket):
+                        self._read(sel, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, (d, _) in self._pending.items() if d <= now]:
+                    log.debug("metrics http: dropped a client that sent no whole request within %gs",
+                              self.request_timeout)
+                    self._drop(sel, conn)
         finally:
+            for conn in list(self._pending):
+                self._drop(sel, conn)
             sel.close()
 
-    def _accept_all(self) -> None:
+    def _drop(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _accept_all(self, sel: selectors.BaseSelector) -> None:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
@@ -133,39 +168,70 @@ class MetricsServer:
                 log.debug("metrics http: accept failed: %s", e)
                 time.sleep(0.05)
                 return
-            with self._lock:
-                refuse = self._closed or len(self._conns) >= self.max_connections
-                if not refuse:
-                    t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                         name=f"elastictk-metrics-{self.port}-conn")
-                    try:
-                        t.start()  # under the lock: close() never sees a thread it cannot join
-                    except RuntimeError as e:  # no thread to be had: drop this client
-                        log.debug("metrics http: cannot start a request thread: %s", e)
-                        refuse = True
-                    else:
-                        self._conns.add(conn)
-                        self._threads.add(t)
-            if refuse:
-                log.debug("metrics http: %d connections open, closing a new one", self.max_connections)
-                conn.close()
+            if len(self._pending) >= self.max_pending:
+                oldest = next(iter(self._pending))
+                log.debug("metrics http: %d clients wait for their request; closing the oldest", self.max_pending)
+                self._drop(sel, oldest)
+            conn.setblocking(False)
+            self._pending[conn] = (time.monotonic() + self.request_timeout, bytearray())
+            sel.register(conn, selectors.EVENT_READ)
 
-    # -- one connection ------------------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
+    def _read(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        _, buf = self._pending[conn]
         try:
-            request = self._read_request(conn, time.monotonic() + self.request_timeout)
-            if request is not None:
-                with self._lock:
-                    self._requests += 1
-                    number = self._requests
-                response = self._respond(request)
-                conn.settimeout(self.request_timeout)  # the whole sendall, not each send (3.5+)
-                conn.sendall(response)
-                conn.shutdown(socket.SHUT_WR)
-                if request.startswith(b"GET ") and response.startswith(b"HTTP/1.1 200"):
-                    with self._scraped:
-                        self._served = max(self._served, number)
-                        self._scraped.notify_all()
+            chunk = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk or len(buf) + len(chunk) > MAX_REQUEST_BYTES:
+            self._drop(sel, conn)  # gone, or more than a request head
+            return
+        buf += chunk
+        if b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+            return
+        self._pending.pop(conn)
+        sel.unregister(conn)
+        self._dispatch(conn, bytes(buf))
+
+    def _dispatch(self, conn: socket.socket, head: bytes) -> None:
+        """A whole request: a thread sends the response, or ``503`` at once when all are busy."""
+        with self._lock:
+            busy = self._closed or len(self._conns) >= self.max_connections
+            if not busy:
+                t = threading.Thread(target=self._serve, args=(conn, head), daemon=True,
+                                     name=f"elastictk-metrics-{self.port}-conn")
+                try:
+                    t.start()  # under the lock: close() never sees a thread it cannot join
+                except RuntimeError as e:  # no thread to be had
+                    log.debug("metrics http: cannot start a request thread: %s", e)
+                    busy = True
+                else:
+                    self._conns.add(conn)
+                    self._threads.add(t)
+        if busy:
+            log.debug("metrics http: %d responses in flight, answering 503", self.max_connections)
+            try:
+                conn.send(_response("503 Service Unavailable", [("Content-Type", "text/plain"),
+                                                                ("Retry-After", "1")], b"busy\n"))
+            except OSError:
+                pass
+            conn.close()
+
+    # -- one response --------------------------------------------------------------------------
+    def _serve(self, conn: socket.socket, head: bytes) -> None:
+        try:
+            with self._lock:
+                self._requests += 1
+                number = self._requests
+            response = self._respond(head)
+            conn.settimeout(self.request_timeout)  # the whole sendall, not each send (3.5+)
+            conn.sendall(response)
+            conn.shutdown(socket.SHUT_WR)
+            if head.startswith(b"GET ") and response.startswith(b"HTTP/1.1 200"):
+                with self._scraped:
+                    self._served = max(self._served, number)
+                    self._scraped.notify_all()
         except OSError as e:  # a client gone, too slow to read, or shut down by close()
             log.debug("metrics http: connection dropped: %s", e)
         except Exception:  # noqa: BLE001 - a broken collector must not kill the server
@@ -175,26 +241,6 @@ class MetricsServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
-
-    def _read_request(self, conn: socket.socket, deadline: float) -> Optional[bytes]:
-        """The request head, or None for a client that closed, trickled past ``deadline`` or sent
-        too much."""
-        buf = b""
-        while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or len(buf) > MAX_REQUEST_BYTES:
-                log.debug("metrics http: dropped a client that sent no whole request within %gs",
-                          self.request_timeout)
-                return None
-            conn.settimeout(remaining)
-            try:
-                chunk = conn.recv(4096)
-            except TimeoutError:
-                continue  # the deadline check above drops it
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
 
     def _respond(self, head: bytes) -> bytes:
         lines = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0].decode("latin-1").split("\n")

@@ -138,7 +138,8 @@ class State:
             rank, world = _rank_world()
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
             snap = Snapshotter(self._snap_settings, rank=rank, world=world,
-                               local_rank=int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0),
+                               local_rank=int(os.environ.get("ELASTICTK_LOCAL_RANK")
+                                              or os.environ.get("LOCAL_RANK") or 0),
                                local_world=local_world)
             object.__setattr__(self, "_snap", snap if snap.active else False)
         elif self._snap:

@@ -92,7 +92,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              ("--faults", "20", "--kinds", f"{CRASHES},slow:0.3", "--at-steps", "2:24"),
              ("--standalone", "--nproc-per-node", "2", "--max-restarts", "20"),
              (DDP, "--epochs", "12", "--samples", "240", "--step-time", "0.01", "--ckpt-dir", "{run_dir}")),
-    # The Python all_reduce loop with elastictk.faults.checkpoint(step): every step kind, hangs
+    # The Python all_reduce loop with elastictk.faults.fault_point(step): every step kind, hangs
     # caught by the collective watchdog.
     Scenario("allreduce-step", "restart-all", TRAIN, "step",
              ("--faults", "16", "--kinds", f"{CRASHES},hang,hang-in-collective,slow:0.3", "--at-steps", "2:40",

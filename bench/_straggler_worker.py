@@ -2,7 +2,7 @@
 
     _straggler_worker.py OUT_DIR [--step-time T] [--mark-at K] [--max-steps N]
 
-Each step: ``elastictk.faults.checkpoint(step)`` (where the plan's ``slow:<s>`` faults sleep),
+Each step: ``elastictk.faults.fault_point(step)`` (where the plan's ``slow:<s>`` faults sleep),
 ``T`` seconds of the rank's own work, a tiny model's gradients all-reduced, a stop flag
 all-reduced (every rank stops at the same step once ``OUT_DIR/stop`` exists), an optimizer step
 (the agent's step timing counts optimizer steps). Rank 0 writes ``OUT_DIR/mark`` holding
@@ -37,7 +37,7 @@ def main() -> None:
         if rank == 0 and step == args.mark_at:
             with open(os.path.join(args.out, "mark"), "w") as f:
                 f.write(f"{time.monotonic():.6f}\n")
-        elastictk.faults.checkpoint(step)
+        elastictk.faults.fault_point(step)
         time.sleep(args.step_time)
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad()

@@ -25,7 +25,7 @@ try:  # step counts and goodput for elastictk-run --metrics-port; a no-op anywhe
 except ImportError:  # pragma: no cover - the script also runs where elastictk is not installed
     etm = None
 try:  # step-exact faults of an elastictk-chaos run; a no-op without a fault plan
-    from elastictk.faults import checkpoint as fault_point
+    from elastictk.faults import fault_point
 except ImportError:  # pragma: no cover
     def fault_point(step: int) -> None:
         pass

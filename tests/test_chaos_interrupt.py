@@ -23,7 +23,7 @@ import time
 import elastictk.faults as faults
 step = 0
 while True:
-    faults.checkpoint(step)
+    faults.fault_point(step)
     print(f"step {step}", flush=True)
     step += 1
     time.sleep(0.05)

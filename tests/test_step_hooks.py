@@ -87,7 +87,7 @@ def test_checkpoint_takes_precedence_over_the_optimizer_count(tmp_path: Path) ->
     """The script says it stays at step 0: the optimizer's 6 steps must not fire step 3."""
     plan = plan_of([Fault.of("exit:7", "rank:0", at_step=3)])
     code = OPT_LOOP.format(pre="import elastictk.faults", n_opt=1, steps=6,
-                           each="elastictk.faults.checkpoint(0)")
+                           each="elastictk.faults.fault_point(0)")
     r = _run(code, _env(tmp_path, plan))
     assert r.returncode == 0 and r.stdout.count("step") == 6, r.stdout + r.stderr
     assert [d["source"] for d in _log(tmp_path) if d.get("progress") == "exit"] == ["checkpoint"]

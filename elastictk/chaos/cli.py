@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unfired", action="store_true", help="a planned fault that did not fire is a "
                    "warning, not a failed run (each is still named, with why)")
     p.add_argument("--no-auto-steps", action="store_true", help="do not count optimizer steps as steps in "
-                   "workers whose script never calls elastictk.faults.checkpoint(step)")
+                   "workers whose script never calls elastictk.faults.fault_point(step)")
     return p
 
 

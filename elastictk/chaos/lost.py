@@ -3,7 +3,7 @@
 The records, from the workers' fault log (``ELASTICTK_FAULT_LOG``):
 
 - the fault's own line: the step the failed process had reached and where that step came from
-  (``checkpoint``/``loop``: the script's own step number, from ``elastictk.faults.checkpoint``
+  (``checkpoint``/``loop``: the script's own step number, from ``elastictk.faults.fault_point``
   or ``run_elastic``; ``auto``: the optimizer steps this process counted, from 0);
 - each process's ``progress`` line at its first step (the step and its source);
 - ``restored`` lines, written by ``State.restore()``: the step the state came back at (null:
@@ -80,5 +80,5 @@ def lost_steps(fault: dict[str, Any], progress: Sequence[dict[str, Any]],
     if back is None:
         return Lost(None, "only optimizer steps were counted (they restart at 0 in every process) "
                           f"and rank {rank} recorded no State.restore() in attempt {nxt}, so where it "
-                          "resumed is not known; report steps with elastictk.faults.checkpoint(step)")
+                          "resumed is not known; report steps with elastictk.faults.fault_point(step)")
     return Lost(max(0, start + step - (_int(back.get("restored")) or 0)))

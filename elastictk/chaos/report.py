@@ -176,7 +176,7 @@ def why_unfired(f: Any, index: int, rec: RunRecord) -> str:
         return (f"the target rank never existed: the job ran ranks "
                 f"{_ranges(sorted(rec.ranks_seen))}")
     if not rec.progress:
-        return ("the script reports no steps: no worker called elastictk.faults.checkpoint(step), "
+        return ("the script reports no steps: no worker called elastictk.faults.fault_point(step), "
                 "stepped a torch optimizer or ran run_elastic")
     attempts = _attempts(rec)
     if (f.attempt or 0) > attempts:

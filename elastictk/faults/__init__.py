@@ -5,14 +5,14 @@ A training loop opts in to step-exact faults with one call, a no-op unless a cha
 
     import elastictk.faults
     for step in range(start, steps):
-        elastictk.faults.checkpoint(step)
+        elastictk.faults.fault_point(step)
 """
 from .generate import generate, generate_plan
-from .inworker import InjectedFault, checkpoint
+from .inworker import InjectedFault, checkpoint, fault_point
 from .kinds import KINDS, FaultKindError, PlanError
 from .knobs import Knobs
 from .plan import Fault, FaultPlan, plan_of
 from .target import Target
 
-__all__ = ["checkpoint", "InjectedFault", "Fault", "FaultPlan", "plan_of", "Target", "Knobs",
+__all__ = ["fault_point", "checkpoint", "InjectedFault", "Fault", "FaultPlan", "plan_of", "Target", "Knobs",
            "generate", "generate_plan", "KINDS", "PlanError", "FaultKindError"]

@@ -16,7 +16,7 @@ Two ways of counting, chosen by ``ELASTICTK_FAULT_AUTO`` (see ``env``):
 The count is this process's: after a step number ``n`` the faults planned at step ``<= n`` fire.
 It restarts at 0 in every process, so a job resumed from a checkpoint counts from 0 again (the
 planned step is then "steps into this attempt"). Scripts that know their step take over:
-``elastictk.faults.checkpoint(step)`` and ``run_elastic``'s own step report outrank this count
+``elastictk.faults.fault_point(step)`` and ``run_elastic``'s own step report outrank this count
 (see ``inworker``).
 
 Activation: a launcher names this module in ``ELASTICTK_WORKER_HOOKS``; every worker calls

@@ -2,7 +2,7 @@
 
 - ``ELASTICTK_FAULT_PLAN``: path of the plan JSON. Its step faults fire in the worker whose
   ``RANK`` (or ``GROUP_RANK``, for a node target) and ``TORCHELASTIC_RESTART_COUNT`` match, when
-  its training loop calls ``elastictk.faults.checkpoint(step)``.
+  its training loop calls ``elastictk.faults.fault_point(step)``.
 - ``ELASTICTK_FAULT_AUTO``: the automatic step count, for scripts that never call
   ``checkpoint`` (see ``auto``): ``optimizer`` (every ``optimizer.step()`` is a step; what
   ``elastictk-chaos`` sets) or ``N`` >= 1 (every ``N`` calls of ``torch.distributed.all_reduce``).

@@ -1,10 +1,10 @@
-"""The in-worker injector: ``elastictk.faults.checkpoint(step)`` performs the plan's step faults
+"""The in-worker injector: ``elastictk.faults.fault_point(step)`` performs the plan's step faults
 for real, at the exact step, in the worker they target.
 
 ::
 
     for step in range(start, steps):
-        elastictk.faults.checkpoint(step)
+        elastictk.faults.fault_point(step)
         train_step(...)
 
 Cost without a plan: one comparison. The plan (``ELASTICTK_FAULT_PLAN``) is read on the first
@@ -12,13 +12,13 @@ call only; the faults kept are those hitting this worker (``RANK``, or its node 
 in this attempt (``TORCHELASTIC_RESTART_COUNT``), and ``_next`` holds the first step due (or
 infinity), so every later call is ``step < _next``.
 
-A fault fires the first time ``checkpoint`` sees a step at or past its own (a job resumed from a
+A fault fires the first time ``fault_point`` sees a step at or past its own (a job resumed from a
 checkpoint beyond it still gets it), at most once per process, and only in its attempt, which is
 what makes it once per job. What each kind does, in the worker:
 
 - ``sigkill`` / ``sigterm`` / ``hang``: the signal (SIGKILL, SIGTERM, SIGSTOP) sent to itself.
 - ``sigsegv``: a real invalid read (``ctypes.string_at(0)``): the kernel's SIGSEGV.
-- ``exception``: raises :class:`InjectedFault` from ``checkpoint``; ``exit:<code>``:
+- ``exception``: raises :class:`InjectedFault` from ``fault_point``; ``exit:<code>``:
   ``sys.exit(code)``. Both unwind through the user's code like the real thing.
 - ``slow:<s>``: sleeps ``s`` seconds: the peers wait for it in their next collective.
 - ``hang-in-collective``: the worker's next ``all_reduce`` never returns (see ``auto``).
@@ -26,7 +26,7 @@ what makes it once per job. What each kind does, in the worker:
 Each fault is announced first: one line on stderr and, with ``ELASTICTK_FAULT_LOG``, one JSON
 line appended to that file.
 
-Where the step comes from, highest first: the script's own ``checkpoint(step)``; then
+Where the step comes from, highest first: the script's own ``fault_point(step)``; then
 ``run_elastic``'s report of each step it runs (:func:`loop_step`, which also re-arms the plan
 for the generation's restart count and rank: under in-place recovery a surviving worker lives
 through several attempts); then the automatic count (``auto``: optimizer steps or all_reduce
@@ -52,7 +52,7 @@ from .plan import Fault, FaultPlan
 
 
 class InjectedFault(RuntimeError):
-    """The ``exception`` fault: raised by ``checkpoint`` at the planned step."""
+    """The ``exception`` fault: raised by ``fault_point`` at the planned step."""
 
 
 # Module state: the hot path reads _next only. -inf: the plan was not read yet.
@@ -61,7 +61,7 @@ _due: list[tuple[int, Fault]] = []  # (plan index, fault), in step order
 _who: dict[str, Optional[int]] = {}
 _level = 0  # the highest step source seen: 0 none, then AUTO < LOOP < USER
 AUTO, LOOP, USER = 1, 2, 3
-SOURCES = {AUTO: "auto", LOOP: "loop", USER: "checkpoint"}
+SOURCES = {AUTO: "auto", LOOP: "loop", USER: "checkpoint"}  # record tags: "checkpoint" is fault_point
 _last_step: Optional[int] = None  # the last step seen, from the source in force
 _reported = False  # the first-step progress line was written
 hang_armed: Optional[tuple[int, Fault]] = None  # read by the all_reduce wrapper
@@ -70,8 +70,9 @@ _fired: set[int] = set()  # plan indexes fired in this process (a re-arm never r
 _lock = threading.RLock()
 
 
-def checkpoint(step: int) -> None:
-    """Perform the faults planned for this worker at ``step`` (see the module's docstring)."""
+def fault_point(step: int) -> None:
+    """Perform the faults planned for this worker at ``step`` (see the module's docstring).
+    Named apart from ``elastictk.metrics.checkpoint()``, which says a checkpoint was saved."""
     global _last_step, _level
     if _level != USER:
         _take(USER, step)
@@ -293,3 +294,12 @@ def _reset() -> None:
         _next, _due, _who, _level, hang_armed = -math.inf, [], {}, 0, None
         _plan, _last_step, _reported = None, None, False
         _fired.clear()
+
+
+def checkpoint(step: int) -> None:
+    """The old name of :func:`fault_point`, kept for one release with a warning (it read as
+    ``elastictk.metrics.checkpoint()``, which does something else)."""
+    from .._moved import warn_moved
+
+    warn_moved("elastictk.faults.checkpoint", "elastictk.faults.fault_point")
+    fault_point(step)

@@ -6,7 +6,7 @@ A kind is written ``name`` or ``name:<param>`` (``sigkill``, ``exit:3``, ``slow:
 CLI all reject the same garbage with the same one-line message.
 
 Triggers. ``step`` faults fire inside the worker when its training loop reaches a step
-(``elastictk.faults.checkpoint`` or the launcher's automatic mode); ``time`` faults fire from
+(``elastictk.faults.fault_point`` or the launcher's automatic mode); ``time`` faults fire from
 outside, as signals to PIDs the agent reports, at an offset from the job's start. A kind that
 can only happen inside the worker (an exception, an exit code, a hang inside a collective) needs a
 step; one that only an outsider can do (killing the agent, stopping the store) needs a time.

@@ -31,7 +31,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     dist.barrier()
     for step in range(args.steps):
-        elastictk.faults.checkpoint(step + 1)
+        elastictk.faults.fault_point(step + 1)
         time.sleep(args.step_time)
         print(f"[rank {rank}] step {step + 1}", flush=True)
     os._exit(0)  # no teardown collective with peers that may be gone

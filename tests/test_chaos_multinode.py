@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from elastictk.chaos.expect import BUDGET, STORE, Shape, expect
 from elastictk.chaos.multinode import full_size_at, tag_events, workers_by_rank
-from elastictk.faults import Fault, generate_plan, plan_of
+from elastictk.faults import Fault, PlanError, generate_plan, plan_of
 from elastictk.testing.etcd import EtcdNotInstalled, find_etcd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,10 +116,28 @@ def test_multinode_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 # -- pure pieces -------------------------------------------------------------------------------
 def test_generated_kill_agent_spares_the_c10d_store_host() -> None:
-    plan = generate_plan(3, 6, 3, kinds=["kill-agent"], seconds=(1, 9), nodes=3, spare_nodes=(0,))
+    knobs = dict(kinds=["kill-agent"], seconds=(1, 60), min_gap_s=6, nodes=3, spare_nodes=(0,), rejoin_s=0)
+    plan = generate_plan(3, 6, 3, **knobs)
     assert {f.target.index for f in plan.faults} <= {1, 2}
-    again = generate_plan(3, 6, 3, kinds=["kill-agent"], seconds=(1, 9), nodes=3, spare_nodes=(0,))
+    again = generate_plan(3, 6, 3, **knobs)
     assert again == plan
+
+
+def test_a_killed_node_is_aimed_at_again_only_once_it_has_rejoined() -> None:
+    """With --rejoin, a node killed at t runs again from t + rejoin + the margin: a later kill
+    may hit it from then on, never before; without --rejoin, never again in the plan."""
+    from elastictk.faults.knobs import REJOIN_MARGIN_S
+
+    for seed in range(40):
+        plan = generate_plan(seed, 5, 3, kinds=["kill-agent"], seconds=(1, 80), min_gap_s=7, nodes=3,
+                             spare_nodes=(0,), rejoin_s=2)
+        back: dict[int, float] = {}
+        for f in plan.faults:
+            assert f.at_s is not None and f.target.index is not None
+            assert back.get(f.target.index, 0.0) <= f.at_s, (seed, plan.faults)
+            back[f.target.index] = f.at_s + 2 + REJOIN_MARGIN_S
+    with pytest.raises(PlanError, match="more kill-agent faults than nodes"):
+        generate_plan(3, 3, 3, kinds=["kill-agent"], seconds=(1, 80), min_gap_s=4, nodes=3, spare_nodes=(0,))
 
 
 def test_ranks_map_to_the_workers_each_node_runs_now() -> None:

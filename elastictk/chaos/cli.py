@@ -120,7 +120,8 @@ def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float], no
     spare = (0,) if nodes > 1 and backend == "c10d" and not ns.kill_store_host else ()
     try:
         return generate_plan(ns.seed, ns.faults, world, kinds=kinds, never=never, watchdog_s=watchdog,
-                             nodes=nodes, spare_nodes=spare, **when)
+                             nodes=nodes, spare_nodes=spare,
+                             rejoin_s=ns.rejoin if nodes > 1 and "seconds" in when else None, **when)
     except PlanError as e:
         raise Usage(in_flag_terms(str(e), ns)) from None
 

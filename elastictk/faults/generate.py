@@ -16,7 +16,7 @@ import random
 from typing import Any, Optional
 
 from .kinds import KINDS, PlanError, Param, parse_kind
-from .knobs import Knobs
+from .knobs import REJOIN_MARGIN_S, Knobs
 from .plan import Fault, FaultPlan
 from .target import Target
 
@@ -51,19 +51,29 @@ def generate(seed: int, knobs: Knobs) -> FaultPlan:
     for spec in kinds:  # fail on the knobs, not on whichever kind the seed happens to draw
         _target(None, parse_kind(spec.strip() + _bare_param(spec))[0], ranks, nodes, knobs)
     faults = []
-    killed: set[int] = set()  # nodes an earlier kill-agent of this plan takes down
+    down: dict[int, float] = {}  # node -> when it runs again (inf: not in this plan)
     for pos in positions:
+        now = pos / 1000 if knobs.steps is None else 0.0
+        killed = {n for n, back in down.items() if back > now}
         spec = rng.choice(kinds)
         if parse_kind(spec.strip() + _bare_param(spec))[0] == "kill-agent" and not _alive(nodes, killed, knobs):
             spec = _instead_of_kill(rng, kinds, knobs)
         name, param = _kind(rng, spec, knobs)
         target = _target(rng, name, ranks, [n for n in nodes if n not in killed], knobs)
         if name == "kill-agent" and target.index is not None:
-            killed.add(target.index)  # a killed node may rejoin, but not by plan: aim elsewhere
+            down[target.index] = _back_at(now, knobs)
         when: dict[str, Any] = ({"at_step": pos} if knobs.steps is not None
                                 else {"at_s": pos / 1000})
         faults.append(Fault(name, target, param=param, **when))
     return FaultPlan(tuple(faults), watchdog_s=knobs.watchdog_s, seed=seed, knobs=knobs)
+
+
+def _back_at(killed_at: float, knobs: Knobs) -> float:
+    """When a node killed at ``killed_at`` can be killed again: once chaos restarted its agent
+    (``rejoin_s``, time faults only) and it had time to join; never without a rejoin."""
+    if knobs.rejoin_s is None or knobs.steps is not None:
+        return math.inf
+    return killed_at + knobs.rejoin_s + REJOIN_MARGIN_S
 
 
 def _alive(nodes: list[int], killed: set[int], knobs: Knobs) -> list[int]:
@@ -78,7 +88,8 @@ def _instead_of_kill(rng: random.Random, kinds: tuple[str, ...] | list[str], kno
     if not others:
         raise PlanError(f"more kill-agent faults than nodes that can be killed ({knobs.nodes} node(s), "
                         f"spare_nodes={list(knobs.spare_nodes)}): a second kill of a node finds it not "
-                        "running; lower the count, add nodes or add another kind")
+                        "running; lower the count, add nodes or another kind, or (with --rejoin) leave "
+                        f"{REJOIN_MARGIN_S:g}s past the rejoin between kills of one node")
     return rng.choice(others)
 
 

@@ -17,6 +17,10 @@ DEFAULT_STEP_KINDS = ("sigkill", "sigterm", "sigsegv", "exception", "exit:1")
 DEFAULT_TIME_KINDS = ("sigkill", "sigterm", "sigsegv")
 
 
+# What a restarted agent takes to start and join its job again before a kill can find it running.
+REJOIN_MARGIN_S = 10.0
+
+
 @dataclass(frozen=True)
 class Knobs:
     """``count`` faults among ``world_size`` ranks on ``nodes`` nodes (ranks are laid out node by
@@ -24,7 +28,10 @@ class Knobs:
     ``min_gap_s`` seconds or ``min_gap_steps`` steps apart. ``kinds`` may name a parametrized
     kind bare (``slow``, ``exit``, ``store-outage``): its parameter is then drawn, seconds from
     ``slow_s``/``outage_s``. ``watchdog_s`` is the job's hang watchdog (collective timeout);
-    hang kinds need one, or nothing would ever end the hang."""
+    hang kinds need one, or nothing would ever end the hang. ``rejoin_s`` (time faults on several
+    nodes): a killed node's agent is started again that long after the kill, so a later kill may
+    aim at it once it is back (:data:`REJOIN_MARGIN_S` after the restart, for its start and join);
+    None: a killed node stays down for the rest of the plan."""
 
     count: int
     world_size: int
@@ -39,6 +46,7 @@ class Knobs:
     slow_s: tuple[float, float] = (0.5, 3.0)
     outage_s: tuple[float, float] = (1.0, 5.0)
     watchdog_s: Optional[float] = None
+    rejoin_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         _int(self.count, "count", 0)
@@ -61,6 +69,9 @@ class Knobs:
             if not 0 <= lo_i < hi_i:
                 raise PlanError(f"steps window {self.steps!r} must satisfy 0 <= lo < hi")
             object.__setattr__(self, "steps", (int(lo_i), int(hi_i)))
+        if self.rejoin_s is not None and (isinstance(self.rejoin_s, bool) or not isinstance(
+                self.rejoin_s, (int, float)) or not 0 <= self.rejoin_s <= 1e6):
+            raise PlanError(f"rejoin_s {self.rejoin_s!r} must be a number of seconds >= 0")
         gap = self.min_gap_s
         if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap <= 1e9:
             raise PlanError(f"min_gap_s {gap!r} must be a number of seconds >= 0")

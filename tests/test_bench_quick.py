@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -29,14 +32,25 @@ def _bench(*args: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess
     )
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir with a short path: the benchmark's client pool starts multiprocessing's fork
+    server, whose AF_UNIX socket lives under TMPDIR, and a socket path may have 107 bytes at
+    most (a pytest-xdist tmp_path left 2 to spare, or none)."""
+    d = Path(tempfile.mkdtemp(prefix="etb-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _results_snapshot() -> dict[str, float]:
     d = ROOT / "bench" / "results"
     return {p.name: p.stat().st_mtime for p in d.iterdir()} if d.is_dir() else {}
 
 
-def test_quick_run_reports_every_store_pair_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
+def test_quick_run_reports_every_store_pair_and_leaves_nothing_behind(tmp_path: Path, short_tmp: Path) -> None:
+    work = short_tmp
     out = tmp_path / "out.json"
     before = _results_snapshot()
     proc = _bench("store", "--quick", "--json", str(out), tmp=work, timeout=180)

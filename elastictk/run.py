@@ -88,6 +88,18 @@ def _parse_or_raise(argv: list[str]) -> LaunchConfig:
     return config
 
 
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """torchrun's ``parse_min_max_nnodes``: ``"N"`` or ``"MIN:MAX"`` as ``(min, max)``, a
+    ``RuntimeError`` for any other form, as torch raises; elastictk's own checks (counts of at
+    least 1, MIN <= MAX) say what was wrong in its message."""
+    from .cli.values import parse_nnodes
+
+    try:
+        return parse_nnodes(nnodes)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+
+
 def _entrypoint_name(config: LaunchConfig) -> str:
     """What torch names the failed entrypoint: the script (or module, or binary) launched."""
     return config.training_script or (config.entrypoint[0] if config.entrypoint else PROG)

@@ -83,6 +83,8 @@ def _parse_or_raise(argv: list[str]) -> LaunchConfig:
     except ArgvError as e:  # argparse's own refusals exit 2, as torch's main does
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for line in config.notes:
+        print(f"{PROG}: {line}", file=sys.stderr)
     for line in config.warnings:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     return config

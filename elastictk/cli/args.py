@@ -165,6 +165,15 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--snapshot-memory",), False,
      "bytes of shared memory the local tier may use on this node, all local ranks, e.g. 4G "
      "(default a quarter of the host's memory; used only as written)"),
+    (("--preempt-signal",), False,
+     "the signal that means the job is pre-empted (sbatch --signal=USR1@120): forwarded to the "
+     "workers, which get --grace-period to end, then stopped; exit 75 (default USR1 under "
+     "Slurm, else off; 'off' turns it off) (docs/slurm.md)"),
+    (("--requeue",), True,
+     "when pre-empted, ask Slurm to requeue the job (scontrol requeue $SLURM_JOB_ID)"),
+    (("--slurm-drain",), True,
+     "drain this node in Slurm (scontrol update NodeName=... State=DRAIN) when --exclude-after "
+     "excludes it or its --health-check fails"),
 ]
 
 
@@ -230,6 +239,8 @@ def parse_or_exit(argv: Sequence[str] | None = None,
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for line in config.notes:
+        print(f"{PROG}: {line}", file=sys.stderr)
     for line in config.warnings:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     return config

@@ -124,7 +124,15 @@ class LaunchConfig:
     snapshot_memory: int | None = None  # None: a quarter of this host's memory
     snapshot_overlap: bool = False  # pipelined commits (elastictk/snapshot/overlap.py)
     snapshot_replicas: int = 1  # the peer tier: other nodes holding each node's parts
+    # Slurm (docs/slurm.md): this node's rendezvous id (its Slurm name under srun; None: a
+    # generated one); the signal that means "pre-empted" (None: off); requeue after it
+    # (scontrol requeue); drain this node in Slurm when it is excluded or fails its check.
+    node_id: str | None = None
+    preempt_signal: signal.Signals | None = None
+    requeue: bool = False
+    slurm_drain: bool = False
     warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # lines the runner prints as facts (where defaults came from)
 
     @property
     def is_host(self) -> bool | None:

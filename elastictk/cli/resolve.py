@@ -18,6 +18,7 @@ from .config import DEFAULT_GRACE_PERIOD, LaunchConfig, validate
 from ..snapshot.settings import SettingsError, parse_bytes, parse_every, parse_replicas, parse_tiers
 from . import logs_specs
 from .nodes import Flags, host, resolve_rendezvous
+from .slurm import apply_slurm, slurm_flags
 from .values import (
     DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES, START_METHODS, EnvText, Std,
     UsageError, expand_std, parse_bool, parse_choice, parse_filters, parse_int, parse_intensity, parse_port,
@@ -42,15 +43,17 @@ def config_from_namespace(
     """
     c = Flags(ns, os.environ if environ is None else environ)
     _refuse_unsupported(c)
+    node_id, notes = apply_slurm(c)  # under srun: rendezvous defaults from the job
     rdzv = resolve_rendezvous(c)
     parts = [rdzv.fields(), _entrypoint(c), _output(c, rdzv.nproc), _process(c), _restarts(c),
              _virtual_local_rank(c, rdzv.nproc), _event_log_handler(c),
-             _metrics(c), _restart_policy(c), _snapshots(c), _stragglers(c), _exclusion(c)]
+             _metrics(c), _restart_policy(c), _snapshots(c), _stragglers(c), _exclusion(c),
+             slurm_flags(c)]
     config = LaunchConfig(
         **{k: v for part in parts for k, v in part.items()},
         log_dir=ns.log_dir or None, event_log=ns.event_log or None,
         log_line_prefix_template=c.env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-        warnings=tuple(c.warnings),
+        node_id=node_id, warnings=tuple(c.warnings), notes=tuple(notes),
     )
     problems = validate(config)
     if problems:

@@ -1,0 +1,14 @@
+"""elastictk under Slurm: defaults from ``srun``'s variables, its node list syntax, and the
+``scontrol`` calls a job makes on Slurm (requeue after a pre-emption, drain a bad node).
+
+Imports nothing of elastictk's layers: ``elastictk.cli`` reads the defaults, ``elastictk.run``
+asks for the requeue and the drain. See docs/slurm.md.
+"""
+from .defaults import LaunchDefaults, launch_defaults, node_id, store_port
+from .env import SlurmEnvError, SlurmJob, read, under_srun
+from .nodelist import MAX_HOSTS, NodelistError, expand, scontrol_hostnames
+
+__all__ = [
+    "LaunchDefaults", "MAX_HOSTS", "NodelistError", "SlurmEnvError", "SlurmJob", "expand",
+    "launch_defaults", "node_id", "read", "scontrol_hostnames", "store_port", "under_srun",
+]

@@ -3,8 +3,8 @@
 ``main(argv)`` parses torchrun's flags into a :class:`LaunchConfig`, opens (or hosts) the
 rendezvous store, and runs one :class:`ElasticAgent` for this node. Exit codes: 0 when the job
 finished, 1 when it failed (the root cause is printed; a node that arrives after its job ended
-runs nothing and exits with the job's outcome), 2 for bad input, 128+N when the agent was
-stopped by signal N.
+runs nothing and exits with the job's outcome), 2 for bad input, 75 when it was pre-empted
+(``--preempt-signal``: run the job again), 128+N when the agent was stopped by signal N.
 """
 from __future__ import annotations
 
@@ -65,12 +65,32 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
 
         print(render_text(result.report), file=sys.stderr)
     level = logging.INFO if result.exit_code == 0 else logging.ERROR
+    if result.state == "preempted":
+        level = logging.WARNING
+        if config.requeue:
+            _requeue()
     if result.recovery_summary:  # where the job's recoveries spent their time
         log.log(level, "%s", result.recovery_summary)
     log.log(level, "%s (exit %d): %s", result.state, result.exit_code, result.message)
     if result.exit_code != 0 and not exits:
         raise _exception_for(config, result)
     return result.exit_code
+
+
+def _requeue() -> None:
+    """``--requeue`` after a pre-emption: one node asks Slurm (task 0 of the step, so the job is
+    not requeued once per node); how it went is one line, and the exit code stays 75."""
+    job, task = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_PROCID", "0")
+    if not job:
+        log.warning("--requeue: not a Slurm job (no SLURM_JOB_ID); nothing asked")
+        return
+    if task != "0":
+        log.info("--requeue: task 0 of the step asks Slurm to requeue job %s (this is task %s)", job, task)
+        return
+    from .slurm import requeue
+
+    answer = requeue(job)
+    log.log(logging.INFO if answer.ok else logging.WARNING, "%s", answer.line)
 
 
 def _parse_or_raise(argv: list[str]) -> LaunchConfig:
@@ -114,6 +134,8 @@ def _exception_for(config: LaunchConfig, result: "AgentResult") -> Exception:
 
     if result.exit_code > 128 and result.state == "signalled":
         return SignalException(result.message, signal.Signals(result.exit_code - 128))
+    if result.state == "preempted" and config.preempt_signal is not None:
+        return SignalException(result.message, config.preempt_signal)
     from .agent.failed import WorkersFailed
 
     return WorkersFailed(_entrypoint_name(config), result)

@@ -35,6 +35,7 @@ from ..metrics.steps import WorkerStepsBlock
 from ..metrics.worker import ENV_COLLECTIVES, ENV_HOOKS, ENV_PATH
 from ..snapshot.local import Holder
 from ..snapshot.peertier import PeerTier
+from ..snapshot.settings import ENV_DIR
 from .address import local_address
 from .health import HealthWatch, check_settings, check_timeout, run_check
 from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
@@ -45,6 +46,7 @@ from .inplace import InPlaceRound, open_round
 from .inplace_host import InPlaceHost, started_key
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
 from .policy import RestartPolicy
+from .preempt import preempt
 from .recovery import RecoveryWatch
 from .stragglers import StragglerSettings, StragglerWatch, watch_round
 from .watchdog import Watchdog
@@ -109,6 +111,9 @@ class AgentConfig:
     # The workers' MASTER_ADDR/PORT and TORCHELASTIC_USE_AGENT_STORE as torchrun sets them
     # (agent/master.py; the caller closes it); None: a free port of group rank 0, False.
     workers_store: WorkersStore | None = None
+    # --preempt-signal: the scheduler's warning that it ends the job (Slurm's --signal). The
+    # agent forwards it, gives the workers the grace period, stops them and exits 75 (preempt.py).
+    preempt_signal: int | None = None
 
     def __post_init__(self) -> None:
         self.recovery = Recovery(self.recovery)  # ValueError names a value that is neither
@@ -142,6 +147,8 @@ class ElasticAgent:
         self.node_id = config.node_id
         self._store_endpoint = store_endpoint
         self._signal: int | None = None
+        # The signals that end the agent: the terminating ones and the pre-emption warning.
+        self._stopping = TERMINATING + ((config.preempt_signal,) if config.preempt_signal else ())
         self._old_handlers: dict[int, Any] = {}
         self.group: WorkerGroup | None = None
         self.handler: RendezvousHandler | None = None
@@ -251,7 +258,7 @@ class ElasticAgent:
         }
         self._ran = False  # workers were started at least once
         while True:
-            if self._signal in TERMINATING:
+            if self._signal in self._stopping:
                 return self._signalled()
             assert self.handler is not None and self.group is not None
             if self._exclusion.hold(self.handler, self.group, lambda: self._stop_reason() is not None):
@@ -426,7 +433,7 @@ class ElasticAgent:
     def _on_succeeded(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None and self.group is not None
         finished, lost = self._exit_barrier(rnd.coord, rnd.info)
-        if self._signal in TERMINATING:  # told to stop while waiting for the others
+        if self._signal in self._stopping:  # told to stop while waiting for the others
             return self._signalled()
         if not finished:
             rnd.outcome = Outcome.PEER_FAILURE  # a peer failed while we waited: restart with it
@@ -499,7 +506,7 @@ class ElasticAgent:
     def _stop_reason(self) -> str | None:
         """Why the agent must stop waiting, if a terminating signal came."""
         sig = self._signal
-        return f"the agent received {signal.Signals(sig).name}" if sig in TERMINATING else None
+        return f"the agent received {signal.Signals(sig).name}" if sig in self._stopping else None
 
     def _exit_barrier(self, coord: RoundCoordinator, info: RoundInfo) -> tuple[bool, list[str]]:
         """The exit barrier, watching heartbeats meanwhile: a peer lost after this node's
@@ -553,7 +560,7 @@ class ElasticAgent:
             if inplace is not None and inplace.poll():
                 return Outcome.INPLACE_FALLBACK, []
             if self._signal is not None:
-                if self._signal in TERMINATING:
+                if self._signal in self._stopping:
                     return Outcome.SIGNAL, []
                 group.signal_all(self._signal)
                 self._signal = None
@@ -677,6 +684,9 @@ class ElasticAgent:
     def _signalled(self) -> AgentResult:
         assert self.group is not None and self.handler is not None
         sig = self._signal or signal.SIGTERM
+        if sig == self.config.preempt_signal:
+            return preempt(self.group, sig, self.config.spec.grace_period, self._emit,
+                           self.config.spec.env.get(ENV_DIR), self.attempts)
         name = signal.Signals(sig).name
         self._emit(EventKind.SIGNALLED, signal=name)
         self.group.stop(sig=sig)
@@ -759,7 +769,7 @@ class ElasticAgent:
 
     def _handle_signal(self, signum: int, _frame: Any) -> None:
         self._signal = signum
-        if signum in TERMINATING:
+        if signum in self._stopping:
             if self.handler is not None:
                 self.handler.interrupt()  # a node waiting for a round stops waiting
             if self.group is not None:

@@ -41,6 +41,7 @@ class ResultState(_Text):
     FAILED = "failed"
     FINISHED_ELSEWHERE = "finished-elsewhere"  # the job was over before this node joined
     SIGNALLED = "signalled"
+    PREEMPTED = "preempted"  # the pre-emption signal: workers stopped, run the job again (preempt.py)
 
 
 class Recovery(_Text):

@@ -7,8 +7,10 @@ asks for the requeue and the drain. See docs/slurm.md.
 from .defaults import LaunchDefaults, launch_defaults, node_id, store_port
 from .env import SlurmEnvError, SlurmJob, read, under_srun
 from .nodelist import MAX_HOSTS, NodelistError, expand, scontrol_hostnames
+from .scontrol import Answer, drain, drain_reason, requeue
 
 __all__ = [
-    "LaunchDefaults", "MAX_HOSTS", "NodelistError", "SlurmEnvError", "SlurmJob", "expand",
-    "launch_defaults", "node_id", "read", "scontrol_hostnames", "store_port", "under_srun",
+    "Answer", "LaunchDefaults", "MAX_HOSTS", "NodelistError", "SlurmEnvError", "SlurmJob", "drain",
+    "drain_reason", "expand", "launch_defaults", "node_id", "read", "requeue", "scontrol_hostnames",
+    "store_port", "under_srun",
 ]

@@ -461,8 +461,6 @@ def test_two_standalone_runs_get_different_ids(workdir: Path) -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--nnodes", "2", "--rdzv-backend", "c10d", "--node-rank", "1", SCRIPT],
      "--node-rank is only used by the static backend"),
-    (["--nnodes", "1:2", "--master-port", "29999", "--node-rank", "1", SCRIPT],
-     "static rendezvous has a fixed size"),
     (["--run-path", "--no-python", SCRIPT], "--run-path takes precedence"),
     (["--rdzv-token", "s3cret", SCRIPT], "prefer the ELASTICTK_RDZV_TOKEN"),
 ])

@@ -303,9 +303,10 @@ def _static_endpoint(c: Flags, rdzv: Rendezvous, where: str) -> None:
         rdzv.endpoint = _endpoint(rdzv.endpoint_text, where, rdzv.master_port)
     else:
         rdzv.endpoint = Endpoint(rdzv.master_addr, rdzv.master_port)
-    if rdzv.min_nodes != rdzv.max_nodes:
-        c.warnings.append(f"static rendezvous has a fixed size: {c.at('nnodes', '--nnodes')} "
-                          f"runs as {rdzv.max_nodes} nodes")
+    if rdzv.min_nodes != rdzv.max_nodes:  # torchrun would wait for MAX nodes, and only them
+        raise UsageError(f"{c.at('nnodes', '--nnodes')}: the static backend (the default) runs a "
+                         "fixed number of nodes; give --nnodes N, or --rdzv-backend c10d "
+                         "--rdzv-endpoint HOST:PORT for MIN:MAX")
     if rdzv.master_port == 0 and rdzv.max_nodes > 1:
         raise UsageError(f"{c.at('master_port', '--master-port')}: port 0 (a free port only "
                          "node 0 knows) cannot work with several nodes; give a fixed port")

@@ -93,6 +93,16 @@ def _requeue() -> None:
     log.log(logging.INFO if answer.ok else logging.WARNING, "%s", answer.line)
 
 
+def _slurm_drain(config: LaunchConfig, agent_config: "AgentConfig") -> None:
+    """``--slurm-drain``: the agent's events drain this node (SLURMD_NODENAME) in Slurm."""
+    node = os.environ.get("SLURMD_NODENAME")
+    if not config.slurm_drain or not node:
+        return  # outside Slurm --slurm-drain was already said to do nothing
+    from .agent.slurm_drain import drain_on_exclusion
+
+    agent_config.on_event = drain_on_exclusion(node, agent_config.on_event)
+
+
 def _parse_or_raise(argv: list[str]) -> LaunchConfig:
     """A library caller's parse: warnings printed, a bad configuration raised (a ValueError)."""
     from .cli import parse_args
@@ -143,6 +153,7 @@ def _exception_for(config: LaunchConfig, result: "AgentResult") -> Exception:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .agent import AgentResult
+    from .agent.elastic import AgentConfig
     from .supervisor.forkserver import PreloadServer
 
 
@@ -165,6 +176,7 @@ def _run(config: LaunchConfig, server: "PreloadServer | None", *,
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return None
         agent.config.join_watchers = join_watchers
+        _slurm_drain(config, agent.config)
         from .agent.torch_events import record_agent_end
 
         bridge = getattr(agent, "torch_events")

@@ -77,6 +77,9 @@ def slurm_flags(c: Flags) -> dict[str, Any]:
         if on and not in_slurm:
             c.warnings.append(f"{flag} asks Slurm to {what}, and this is not a Slurm job (no "
                               "SLURM_JOB_ID): nothing will be asked")
+    if drain and in_slurm and not c.env.get("SLURMD_NODENAME"):
+        c.warnings.append("--slurm-drain drains this node by its Slurm name, and SLURMD_NODENAME is not "
+                          "set (run elastictk-run under srun): nothing will be drained")
     if drain and ns.exclude_after is None and ns.health_check is None:
         c.warnings.append("--slurm-drain drains a node excluded by --exclude-after or failing "
                           "--health-check, and neither is given: nothing will be drained")

@@ -3,8 +3,10 @@
 ``main(argv)`` parses torchrun's flags into a :class:`LaunchConfig`, opens (or hosts) the
 rendezvous store, and runs one :class:`ElasticAgent` for this node. Exit codes: 0 when the job
 finished, 1 when it failed (the root cause is printed; a node that arrives after its job ended
-runs nothing and exits with the job's outcome), 2 for bad input, 75 when it was pre-empted
-(``--preempt-signal``: run the job again), 128+N when the agent was stopped by signal N.
+runs nothing and exits with the job's outcome), 2 for bad input (a flag's value, or a
+rendezvous store, event log or metrics port that cannot be opened with it), 75 when it was
+pre-empted (``--preempt-signal``: run the job again), 128+N when the agent was stopped by
+signal N.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     config = parse_or_exit(args) if exits else _parse_or_raise(args)
+    if not _hosts_resolve(config, raises=not exits):
+        return 2
     _setup_logging()
     from .agent.launch import start_preload  # before torch: the server's import overlaps ours
 
@@ -58,8 +62,8 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
     finally:
         if server is not None:
             server.close()
-    if result is None:
-        return 1
+    if result is None:  # the store or the telemetry could not be opened: a flag's value
+        return 2
     if result.report is not None:
         from .supervisor.report_text import render_text
 
@@ -91,6 +95,24 @@ def _requeue() -> None:
 
     answer = requeue(job)
     log.log(logging.INFO if answer.ok else logging.WARNING, "%s", answer.line)
+
+
+def _hosts_resolve(config: LaunchConfig, *, raises: bool) -> bool:
+    """The rendezvous host names resolve; else one line and False (``raises``: the
+    :class:`~elastictk.cli.UsageError` raised, as for a bad configuration). Checked here, where
+    the store is about to be opened, not in ``parse_args``: a config may be built for a host
+    whose names only resolve there."""
+    from .cli import UsageError
+    from .cli.preflight import check_endpoint_hosts
+
+    try:
+        check_endpoint_hosts(config)
+    except UsageError as e:
+        if raises:
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _slurm_drain(config: LaunchConfig, agent_config: "AgentConfig") -> None:
@@ -173,7 +195,7 @@ def _run(config: LaunchConfig, server: "PreloadServer | None", *,
         try:
             agent, handle = build_agent(config, telemetry, preload_server=server)
         except StoreError as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
+            print(f"{PROG}: error: {_naming_the_flag(config, str(e))}", file=sys.stderr)
             return None
         agent.config.join_watchers = join_watchers
         _slurm_drain(config, agent.config)
@@ -195,6 +217,15 @@ def _run(config: LaunchConfig, server: "PreloadServer | None", *,
         return result
     finally:
         telemetry.close()
+
+
+def _naming_the_flag(config: LaunchConfig, message: str) -> str:
+    """A store's error names ``--rdzv-endpoint``; a static job's endpoint may have come from
+    ``--master-addr``/``--master-port``, and the line names what the user typed."""
+    from .cli.preflight import endpoint_flag
+
+    flag = endpoint_flag(config)
+    return message if flag == "--rdzv-endpoint" else message.replace("--rdzv-endpoint", flag)
 
 
 def __getattr__(name: str) -> object:

@@ -238,3 +238,62 @@ def test_chaos_bounds_nodes_and_workers(tmp_path: Path, tiny: Path) -> None:
     r = cli("elastictk.chaos", "--report-dir", str(tmp_path / "r"), "--collective-timeout", "1e10",
             "--nproc-per-node", "1", "--", str(tiny), cwd=tmp_path)
     assert_one_line(r, "elastictk-chaos", "--collective-timeout 1e10", "at most 86400")
+
+
+# --- inputs that are only wrong on this machine: each refused before any worker starts -----
+
+# Each row: an id, the command line ("{tmp}" is the test's directory, "{script}" the tiny
+# script, "{file}" a regular file, "{dir}" an empty directory), and what the one line names.
+LAUNCH_CASES = [
+    ("log-dir-in-proc", ["--log-dir", "/proc/x", "{script}"],
+     ["--log-dir /proc/x", "cannot create a directory in /proc", "pick a writable directory"]),
+    ("c10d-refused", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
+                      "is_host=false", "--nnodes", "2", "{script}"],
+     ["cannot reach the TCPStore at 127.0.0.1:1", "connection refused", "--rdzv-endpoint"]),
+    ("c10d-unresolvable", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400",
+                           "--nnodes", "2", "{script}"],
+     ["--rdzv-endpoint nohost.invalid:29400", "cannot resolve host nohost.invalid"]),
+    ("c10d-unresolvable-host", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400",
+                                "--rdzv-conf", "is_host=true", "{script}"],
+     ["--rdzv-endpoint nohost.invalid:29400", "cannot resolve host nohost.invalid"]),
+    ("static-unresolvable", ["--nnodes", "2", "--master-addr", "nohost.invalid", "--master-port",
+                             "29555", "--node-rank", "1", "{script}"],
+     ["--master-addr nohost.invalid", "cannot resolve host nohost.invalid"]),
+    ("static-refused", ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "1",
+                        "--node-rank", "1", "{script}"],
+     ["cannot reach the TCPStore at 127.0.0.1:1", "--master-addr/--master-port"]),
+    ("ranks-filter-past-nproc", ["--nproc-per-node", "2", "--local-ranks-filter", "5", "{script}"],
+     ["--local-ranks-filter 5", "local ranks 0..1", "--nproc-per-node 2"]),
+    ("event-log-under-a-file", ["--event-log", "{file}/ev.jsonl", "{script}"],
+     ["--event-log {file}/ev.jsonl", "{file} is a file"]),
+    ("event-log-a-directory", ["--event-log", "{dir}", "{script}"],
+     ["--event-log {dir}", "is a directory", "give a file path"]),
+    ("script-a-directory", ["{dir}"],
+     ["training script '{dir}' is a directory", "__main__.py"]),
+    ("snapshot-dir-a-file", ["--snapshot-dir", "{file}", "{script}"],
+     ["--snapshot-dir {file}", "is not a directory"]),
+    ("static-min-max", ["--nnodes", "1:2", "--master-port", "29556", "{script}"],
+     ["--nnodes 1:2", "static", "fixed", "--rdzv-backend c10d"]),
+]
+
+
+@pytest.mark.parametrize("args,names", [(a, n) for _, a, n in LAUNCH_CASES],
+                         ids=[i for i, _, _ in LAUNCH_CASES])
+def test_launch_refuses_with_one_line_before_any_worker(tmp_path: Path, tiny: Path,
+                                                        args: list[str], names: list[str]) -> None:
+    (tmp_path / "a-file").write_text("not a directory\n")
+    (tmp_path / "a-dir").mkdir()
+    where = {"{script}": str(tiny), "{file}": str(tmp_path / "a-file"),
+             "{dir}": str(tmp_path / "a-dir"), "{tmp}": str(tmp_path)}
+
+    def fill(text: str) -> str:
+        for key, value in where.items():
+            text = text.replace(key, value)
+        return text
+
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "elastictk.run", *map(fill, args)], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=25)
+    took = time.monotonic() - start
+    assert_one_line(r, "elastictk-run", *map(fill, names))
+    assert "tiny worker ran" not in r.stdout and took < 20, took

@@ -174,7 +174,7 @@ SAMPLES: list[list[str]] = [
     ["--log-dir", "{tmp}/logs", "-r", "3", "-t", "0:1,1:2", "--nproc-per-node", "2", SCRIPT],
     ["--log_dir={tmp}/logs", "--redirects", "0:2", "--tee=1", SCRIPT],
     ["--local-ranks-filter", "0,1", "--nproc-per-node", "2", SCRIPT],
-    ["--local_ranks_filter=1", SCRIPT],
+    ["--local_ranks_filter=1", "--nproc-per-node", "2", SCRIPT],
     ["--local-addr", "127.0.0.1", SCRIPT],
     ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:{free}",
      "--rdzv-conf", "join_timeout=5,last_call_timeout=1,is_host=true,read_timeout=7", SCRIPT],

@@ -31,7 +31,7 @@ def test_an_unreachable_c10d_endpoint_exits_non_zero_with_one_line(tmp_path: Pat
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         took = time.monotonic() - t0
     assert r.returncode != 0, f"an agent that could not start exited {r.returncode}:\n{r.stderr}"
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr  # the endpoint flag's value: bad input
     assert "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr

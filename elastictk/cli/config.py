@@ -18,6 +18,7 @@ from ..snapshot.settings import MIN_REGION
 from ..snapshot.settings import TIERS as SNAPSHOT_TIERS
 from ..snapshot.trust import usable_root
 from ..store.endpoint import Endpoint
+from .preflight import check_event_log, check_writable_dir
 from .values import (
     BACKENDS, DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
     START_METHODS, Std, UsageError,
@@ -276,7 +277,9 @@ def check_system(config: LaunchConfig) -> None:
         )
     _check_script(c)
     if c.log_dir is not None and c.logs_specs is None:  # a --logs-specs class judges its own
-        _check_writable_dir(c.log_dir, "--log-dir")
+        check_writable_dir(c.log_dir, "--log-dir")
+    if c.event_log is not None:
+        check_event_log(c.event_log)
     if c.snapshot_dir is not None and "disk" in c.snapshot:
         why = usable_root(c.snapshot_dir)
         if why is not None:
@@ -306,29 +309,17 @@ def _check_script(c: LaunchConfig) -> None:
             raise UsageError(
                 f"--no-python: {script!r} is not found on PATH; give its full path"
             )
+    elif not c.module and os.path.isdir(script):
+        if not os.path.isfile(os.path.join(script, "__main__.py")):  # what python DIR runs
+            raise UsageError(
+                f"training script {script!r} is a directory, with no __main__.py to run; "
+                "pass the script inside it (DIR/train.py), or -m for a module"
+            )
     elif not c.module and not os.path.isfile(script):
         raise UsageError(
             f"training script {script!r} not found (looked in {os.getcwd()}); pass an existing "
             "file, or -m for a module, or --no-python for a program"
         )
-
-
-def _check_writable_dir(path: str, flag: str) -> None:
-    """``path`` is a directory this process can create files in, or can be created: its
-    nearest existing ancestor is a directory it may write to. Catches a file in the way (which
-    fails for root too) and a read-only or foreign directory, before any worker starts."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a file, not a directory; pick a directory")
-    probe = os.path.abspath(path)
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise UsageError(f"{flag} {path}: {probe} is a file, so no directory can be made "
-                         "under it; pick a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "" if probe == os.path.abspath(path) else f" {probe}, where it would be made,"
-        raise UsageError(f"{flag} {path}: the directory{where} is not writable by this user; "
-                         "pick a writable directory")
 
 
 def _check_ports(c: LaunchConfig) -> None:

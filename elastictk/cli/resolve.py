@@ -121,6 +121,7 @@ def _output(c: Flags, nproc: int) -> dict[str, Any]:
                               "(or 3)")
     ranks_filter = parse_ranks(ns.local_ranks_filter or "",
                                c.at("local_ranks_filter", "--local-ranks-filter"))
+    _check_ranks_filter(c, ranks_filter, nproc)
     specs = None
     if ns.logs_specs:  # after the other log flags, as torch's config_from_args
         specs = logs_specs.build(ns.logs_specs, "--logs-specs", log_dir=ns.log_dir or None,
@@ -128,6 +129,20 @@ def _output(c: Flags, nproc: int) -> dict[str, Any]:
     return dict(redirects=expand_std(redirects, nproc), tee=expand_std(tee, nproc),
                 local_ranks_filter=ranks_filter, duplicate_stdout_filters=filters["stdout"],
                 duplicate_stderr_filters=filters["stderr"], logs_specs=specs)
+
+
+def _check_ranks_filter(c: Flags, ranks: frozenset[int] | None, nproc: int) -> None:
+    """A filtered rank past the node's last worker is a typo: it shows nothing, and when it
+    is the only one, every worker's output is hidden without a word (torchrun accepts it)."""
+    past = sorted(r for r in ranks or () if r >= nproc)
+    if past:
+        given = (c.at("nproc_per_node", "--nproc-per-node") if c.ns.nproc_per_node is not None
+                 else f"--nproc-per-node {nproc}, the default")
+        raise UsageError(
+            f"{c.at('local_ranks_filter', '--local-ranks-filter')}: rank {past[0]} is not a local "
+            f"rank of this node, which runs local ranks 0..{nproc - 1} "
+            f"({given}); list ranks from 0 to {nproc - 1}"
+        )
 
 
 def _process(c: Flags) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from .records import (
     slot_key,
 )
 from .sealed import Records, new_run_nonce, parse_counter
+from .waiting import WaitingReporter, waiting_line
 
 log = logging.getLogger("elastictk.rendezvous")
 
@@ -278,6 +279,7 @@ class RendezvousHandler:
         spare = self._spare_for(n) is not None
         records: dict[int, Arrival | None] = {}
         opened_at, min_reached_at = self._clock(), None
+        reporter, holding = WaitingReporter(opened_at), False
         while True:
             deadline = self._deadline
             self._check_interrupted()
@@ -286,6 +288,8 @@ class RendezvousHandler:
             if result is not None:
                 return result
             now = self._clock()
+            if not (spare or holding) and reporter.due(now):
+                self._say_waiting(n, deadline - now)
             if self._closer_alive_before(n, seq, records, now):
                 if spare:  # behind an earlier spare, which holds the round while the job runs full
                     self._deadline = deadline = max(deadline, now + cfg.join_timeout)
@@ -319,7 +323,7 @@ class RendezvousHandler:
             if isinstance(decision, Hold):
                 # Spares wait as long as the job runs full; the round's clocks (join timeout,
                 # last call, the wait for previous members) start when the hold ends.
-                opened_at, min_reached_at = now, None
+                opened_at, min_reached_at, holding = now, None, True
                 self._deadline = max(deadline, now + cfg.join_timeout)
                 self._wait_for([slot_key(n, decision.wake_seq)], self._slice, also=result_key)
                 continue
@@ -332,6 +336,13 @@ class RendezvousHandler:
             hole = next((s for s in range(1, count + 1) if s not in records), None)
             wake = decision.wake_seq if hole is None else hole
             self._wait_for([slot_key(n, wake)], until - now, also=result_key)
+
+    def _say_waiting(self, n: int, left: float) -> None:
+        """The waiting line for round ``n``: one read of its arrival counter (capped as every
+        read of it is), logged at INFO."""
+        cfg = self.config
+        joined = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
+        log.info("%s", waiting_line(n, joined, cfg.min_nodes, cfg.max_nodes, left, cfg.last_call))
 
     def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival | None], now: float) -> bool:
         """Whether an earlier arrival than us is alive to close the round.

@@ -156,6 +156,20 @@ def check_supported(plan: FaultPlan, world: int, nodes: int = 1) -> None:
                         "retarget it or raise --nodes")
 
 
+def _one_node(nnodes: str | None) -> None:
+    """A one-node chaos run given ``--nnodes MIN:MAX`` for several nodes: what to pass instead.
+    A value that does not parse is left to elastictk-run's own line."""
+    from ..cli.values import parse_nnodes
+
+    try:
+        lo, hi = parse_nnodes(nnodes or "1", "--nnodes")
+    except ValueError:
+        return
+    if hi != 1:
+        raise Usage(f"--nnodes {lo}:{hi}: {PROG} runs one node unless told otherwise; pass "
+                    "--nodes N for a job of several nodes, or --nnodes 1")
+
+
 def check_nodes(ns: argparse.Namespace, launcher: list[str]) -> None:
     """The multi-node flags that make sense together, one line for those that do not."""
     if ns.nodes < 1:
@@ -261,6 +275,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             launcher = ["--nnodes", str(ns.nodes), *launcher]
         if ns.nodes > 1 and not any(a.split("=")[0] in ("--rdzv-backend", "--rdzv_backend") for a in launcher):
             launcher = ["--rdzv-backend", "c10d", *launcher]
+        if ns.nodes == 1:  # said before elastictk-run's static backend refuses a MIN:MAX
+            _one_node(run_args.build_parser().parse_args([*launcher, *command]).nnodes)
         try:
             extra = ["--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "chaos"] if ns.nodes > 1 else []
             config = run_args.parse_args([*launcher, *extra, *command])

@@ -253,9 +253,10 @@ LAUNCH_CASES = [
     ("c10d-unresolvable", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400",
                            "--nnodes", "2", "{script}"],
      ["--rdzv-endpoint nohost.invalid:29400", "cannot resolve host nohost.invalid"]),
-    ("c10d-unresolvable-host", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400",
+    # port 0: a fixed port may be held by another job on this host, refused before the name is looked up
+    ("c10d-unresolvable-host", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:0",
                                 "--rdzv-conf", "is_host=true", "{script}"],
-     ["--rdzv-endpoint nohost.invalid:29400", "cannot resolve host nohost.invalid"]),
+     ["--rdzv-endpoint nohost.invalid:0", "cannot resolve host nohost.invalid"]),
     ("static-unresolvable", ["--nnodes", "2", "--master-addr", "nohost.invalid", "--master-port",
                              "29555", "--node-rank", "1", "{script}"],
      ["--master-addr nohost.invalid", "cannot resolve host nohost.invalid"]),

@@ -317,14 +317,14 @@ def test_elastictk_run_with_a_wrong_ca_fails_with_one_line(tmp_path: Path, url: 
                                                            other: TestCerts) -> None:
     r = _run(tmp_path, "--rdzv-endpoint", url, "--rdzv-conf",
              f"cacert={other.ca},cert={certs.client_cert},key={certs.client_key}")
-    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.returncode == 2, r.stderr[-3000:]
     _error_line(r, "not trusted", "set cacert=")
 
 
 def test_elastictk_run_plain_http_to_tls_fails_with_one_line(tmp_path: Path,
                                                              tls_etcd: EtcdServer) -> None:
     r = _run(tmp_path, "--rdzv-endpoint", f"http://{tls_etcd.endpoint}")
-    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.returncode == 2, r.stderr[-3000:]
     _error_line(r, "serves TLS", "https://")
 
 

@@ -211,7 +211,7 @@ def test_a_c10d_endpoint_held_by_a_silent_listener_fails_in_one_line(
     proc = _run("elastictk.run", ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                   endpoint, "ok.py"], tmp_path, timeout=60)
     took = time.monotonic() - start
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert len(errors) == 1 and endpoint in errors[0] and "TCPStore" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr

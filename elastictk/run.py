@@ -115,6 +115,17 @@ def _hosts_resolve(config: LaunchConfig, *, raises: bool) -> bool:
     return True
 
 
+def _await_store_host(config: LaunchConfig) -> None:
+    """Under Slurm's defaults, a node that does not host the c10d store waits (up to the join
+    timeout) for the one that does: every task of the step starts at once."""
+    if config.node_id is None or config.is_host is not False or config.rdzv_endpoint is None:
+        return
+    from .slurm.wait import wait_for_store
+
+    wait_for_store(config.rdzv_endpoint, float(config.rdzv_conf.get("join_timeout", 600.0)),
+                   lambda line: log.info("%s", line))
+
+
 def _slurm_drain(config: LaunchConfig, agent_config: "AgentConfig") -> None:
     """``--slurm-drain``: the agent's events drain this node (SLURMD_NODENAME) in Slurm."""
     node = os.environ.get("SLURMD_NODENAME")
@@ -191,6 +202,7 @@ def _run(config: LaunchConfig, server: "PreloadServer | None", *,
     except TelemetryError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return None
+    _await_store_host(config)
     try:
         try:
             agent, handle = build_agent(config, telemetry, preload_server=server)

@@ -18,7 +18,7 @@ from elastictk.agent.preempt import PREEMPTED_EXIT, newest_complete_step
 from tests.test_slurm_defaults import _free_job_id, slurm_env
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER = ROOT / "tests" / "helpers" / "preempt_train.py"
+HELPER = ROOT / "examples" / "slurm" / "train.py"
 
 
 def _env(job: str, bin_dir: Path | None = None) -> dict[str, str]:
@@ -54,7 +54,7 @@ def test_preempted_mid_job_the_newest_step_is_on_disk_and_a_relaunch_resumes(tmp
     out.mkdir()
     argv = [sys.executable, "-m", "elastictk.run", "--nproc-per-node", "2", "--snapshot", "local,disk",
             "--snapshot-dir", str(snap), "--snapshot-every", "1000", "--grace-period", "30", "--requeue",
-            str(HELPER), str(out)]
+            str(HELPER), "--out", str(out)]
     bin_dir, calls = _fake_scontrol(tmp_path)
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(job, bin_dir), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -72,7 +72,7 @@ def test_preempted_mid_job_the_newest_step_is_on_disk_and_a_relaunch_resumes(tmp
     assert "pre-empted by SIGUSR1: 2 of 2 worker(s) ended within the grace period" in err, err
     assert calls.read_text().splitlines()[-1].split() == ["requeue", job], err
     # The requeued job: same job id, so it reads the steps the first run sealed.
-    again = subprocess.run([*argv[:-2], str(HELPER), str(out), "--steps", str(stopped + 2)], cwd=ROOT,
+    again = subprocess.run([*argv[:-3], str(HELPER), "--out", str(out), "--steps", str(stopped + 2)], cwd=ROOT,
                            env=_env(job), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert (out / "restored").read_text().split() == ["None", str(stopped)]
@@ -80,8 +80,8 @@ def test_preempted_mid_job_the_newest_step_is_on_disk_and_a_relaunch_resumes(tmp
     # The same weights as a run never interrupted (a fresh job, no snapshot to restore).
     plain = tmp_path / "plain"
     plain.mkdir()
-    whole = subprocess.run([sys.executable, "-m", "elastictk.run", "--nproc-per-node", "2", str(HELPER), str(plain),
-                            "--steps", str(stopped + 2)], cwd=ROOT, env=_env(_free_job_id()),
+    whole = subprocess.run([sys.executable, "-m", "elastictk.run", "--nproc-per-node", "2", str(HELPER), "--out",
+                            str(plain), "--steps", str(stopped + 2)], cwd=ROOT, env=_env(_free_job_id()),
                            capture_output=True, text=True, timeout=120)
     assert whole.returncode == 0, whole.stderr
     assert resumed == (plain / "stopped").read_text().split() and resumed[0] == str(stopped + 2)

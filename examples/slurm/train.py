@@ -1,11 +1,14 @@
-"""Training under elastictk's snapshots that ends cleanly on Slurm's pre-emption warning.
+"""A training script that ends cleanly on Slurm's pre-emption warning (train.sbatch runs it).
 
-SIGUSR1 (forwarded by the agent) sets a flag; every step the ranks agree on it (an all_reduce
-of MAX), so all of them stop after committing the same step; ``destroy_process_group`` then
-writes that newest commit to the disk tier. Rank 0 writes ``progress`` (the step committed),
-``stopped`` (the step it ended at) and ``restored`` (what ``restore()`` returned) into OUT.
+``elastictk-run`` forwards the warning (SIGUSR1, ``sbatch --signal=USR1@120``) to every worker;
+here it only sets a flag. Each step the ranks agree on the flag (an all_reduce of MAX: one
+int per step), so all of them stop after committing the same step, and
+``destroy_process_group`` writes that newest commit to the disk tier (``--snapshot-dir``). The
+requeued job's ``state.restore()`` resumes from it. With ``--out DIR``, rank 0 writes there the
+step committed (``progress``), the step it ended at and its weights (``stopped``) and what
+``restore()`` returned (``restored``): tests/test_slurm_preempt.py reads them.
 
-    preempt_train.py OUT [--steps N]
+    elastictk-run --snapshot local,disk --snapshot-dir DIR train.py [--steps N] [--out DIR]
 """
 from __future__ import annotations
 
@@ -27,9 +30,15 @@ def _warned(_sig: int, _frame: object) -> None:
     warned = True
 
 
+def note(out: str | None, rank: int, name: str, text: str, mode: str = "w") -> None:
+    if out is not None and rank == 0:
+        with open(os.path.join(out, name), mode) as f:
+            f.write(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("out")
+    p.add_argument("--out", default=None)
     p.add_argument("--steps", type=int, default=400)
     args = p.parse_args()
     signal.signal(signal.SIGUSR1, _warned)
@@ -40,9 +49,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     state = State(model=model, optimizer=opt, step=0)
     restored = state.restore()
-    if rank == 0:
-        with open(os.path.join(args.out, "restored"), "a") as f:
-            f.write(f"{restored}\n")
+    note(args.out, rank, "restored", f"{restored}\n", mode="a")
     while state.step < args.steps:
         opt.zero_grad()
         model(torch.ones(2, 4) * state.step).pow(2).sum().backward()
@@ -51,17 +58,15 @@ def main() -> None:
         opt.step()
         state.step += 1
         state.commit()
-        if rank == 0:
-            with open(os.path.join(args.out, "progress"), "w") as f:
-                f.write(str(state.step))
+        note(args.out, rank, "progress", str(state.step))
         flag = torch.tensor([1 if warned else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
             break
         time.sleep(0.05)
+    note(args.out, rank, "stopped", f"{state.step} {model.weight.detach().sum().item()!r}")
     if rank == 0:
-        with open(os.path.join(args.out, "stopped"), "w") as f:
-            f.write(f"{state.step} {model.weight.detach().sum().item()!r}")
+        print(f"{'pre-empted' if warned else 'finished'} at step {state.step}", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
 """elastictk under Slurm: defaults from ``srun``'s variables, its node list syntax, and the
 ``scontrol`` calls a job makes on Slurm (requeue after a pre-emption, drain a bad node).
 
-Imports nothing of elastictk's layers: ``elastictk.cli`` reads the defaults, ``elastictk.run``
-asks for the requeue and the drain. See docs/slurm.md.
+Of elastictk's layers it imports only the store (``wait``: a TCPStore ping): ``elastictk.cli``
+reads the defaults, ``elastictk.run`` waits for the store's host and asks for the requeue; the
+agent's ``--slurm-drain`` listener asks for the drain. See docs/slurm.md.
 """
 from .defaults import LaunchDefaults, launch_defaults, node_id, store_port
 from .env import SlurmEnvError, SlurmJob, read, under_srun

@@ -115,11 +115,11 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def probe(endpoint: Endpoint, timeout: float) -> str | None:
-    """Try one TCP connect; ``None`` when it succeeds, else a short reason (``refused``...)."""
+def connect(endpoint: Endpoint, timeout: float) -> socket.socket | str:
+    """One TCP connect: the connected socket (the caller's to close), else a short reason
+    for an error line (``connection refused``, a timeout, an unresolvable host...)."""
     try:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=max(timeout, 0.01)):
-            return None
+        return socket.create_connection((endpoint.host, endpoint.port), timeout=max(timeout, 0.01))
     except ConnectionRefusedError:
         return "connection refused (nothing listens there)"
     except socket.timeout:

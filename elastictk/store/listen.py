@@ -15,7 +15,7 @@ import socket
 import struct
 import time
 
-from .endpoint import Endpoint
+from .endpoint import Endpoint, connect
 
 # c10d's TCPStore wire protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp): a one-byte
 # query type, then native-endian integers. VALIDATE carries a magic number; PING a nonce that
@@ -66,16 +66,9 @@ def ping_store(endpoint: Endpoint, timeout: float) -> str | None:
     Interruptible (a Python socket, not torch's C++ client): Ctrl-C stops it at once.
     """
     start = time.monotonic()
-    try:
-        sock = socket.create_connection((endpoint.host, endpoint.port), timeout=max(timeout, 0.01))
-    except ConnectionRefusedError:
-        return "connection refused (nothing listens there)"
-    except socket.timeout:
-        return f"no answer within {timeout:g}s"
-    except socket.gaierror as e:
-        return f"cannot resolve host ({e.strerror})"
-    except OSError as e:
-        return e.strerror or str(e)
+    sock = connect(endpoint, timeout)
+    if isinstance(sock, str):
+        return sock
     wait = max(0.01, min(PING_DEADLINE, timeout - (time.monotonic() - start)))
     nonce = (os.getpid() ^ int(time.monotonic_ns())) & 0xFFFFFFFF
     with sock:

@@ -2,28 +2,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastictk.faults import Fault, FaultPlan, plan_of
+from tests.helpers.chaosrun import chaos, report
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 JOB = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
 CMD = ["--", TRAIN, "--steps", "10", "--ckpt-every", "3", "--step-time", "0.01", "--ckpt-dir", "{run_dir}"]
-
-
-def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
-
-
-def report(tmp: Path) -> dict:
-    return json.loads((tmp / "r" / "chaos-report.json").read_text())
 
 
 def test_a_planned_run_keeps_every_invariant_and_replays(tmp_path: Path) -> None:

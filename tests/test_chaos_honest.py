@@ -18,21 +18,13 @@ from elastictk.chaos import report as creport
 from elastictk.chaos.cli import build_plan, parse
 from elastictk.chaos.runner import RunRecord
 from elastictk.faults import Fault, generate_plan, plan_of
+from tests.helpers.chaosrun import chaos, report
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = str(ROOT / "tests" / "helpers" / "plain_allreduce.py")
 DDP = str(ROOT / "tests" / "helpers" / "ddp_save.py")
 INPLACE = str(ROOT / "examples" / "train_inplace.py")
 JOB = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
-
-
-def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
-
-
-def report(tmp: Path) -> dict:
-    return json.loads((tmp / "r" / "chaos-report.json").read_text())
 
 
 def fired_in_log(tmp: Path) -> list[dict]:

@@ -2,9 +2,7 @@
 etcd), real SIGKILLs of agents and a real SIGSTOP of the store; plus the pure pieces."""
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ from elastictk.chaos.expect import BUDGET, STORE, Shape, expect
 from elastictk.chaos.multinode import full_size_at, tag_events, workers_by_rank
 from elastictk.faults import Fault, PlanError, generate_plan, plan_of
 from elastictk.testing.etcd import EtcdNotInstalled, find_etcd
+from tests.helpers.chaosrun import chaos as run_chaos
+from tests.helpers.chaosrun import report
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -23,12 +23,7 @@ CONF = "last_call_timeout=2,heartbeat_interval=0.2,heartbeat_timeout=1.5,join_ti
 
 
 def chaos(tmp: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
-
-
-def report(tmp: Path) -> dict:
-    return json.loads((tmp / "r" / "chaos-report.json").read_text())
+    return run_chaos(tmp, *args, timeout=timeout)
 
 
 def planned(tmp: Path, *faults: Fault) -> str:

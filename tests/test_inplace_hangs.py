@@ -6,8 +6,6 @@ behaviour, the rest at unit level.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,21 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastictk.faults import Fault, PlanError, generate_plan, plan_of
+from tests.helpers.chaosrun import chaos, report
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = str(ROOT / "examples" / "train_inplace.py")
 INPLACE_JOB = ["--standalone", "--nproc-per-node", "3", "--max-restarts", "3", "--recovery", "in-place",
                "--collective-timeout", "3"]
 INPLACE_CMD = ["--", INPLACE, "--steps", "40", "--step-time", "0.02"]
-
-
-def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
-
-
-def report(tmp: Path) -> dict:
-    return json.loads((tmp / "r" / "chaos-report.json").read_text())
 
 
 def events(tmp: Path) -> list[dict]:

@@ -1,0 +1,16 @@
+"""``elastictk-chaos`` as the tests run it: a subprocess with its report in ``<tmp>/r``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
+                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
+
+
+def report(tmp: Path) -> dict:
+    return json.loads((tmp / "r" / "chaos-report.json").read_text())

@@ -37,7 +37,9 @@ log = logging.getLogger("elastictk.metrics")
 # ``run_id``, not ``job``: Prometheus sets ``job`` on every series it scrapes (the scrape job's
 # name), so a ``job`` label of ours would be renamed ``exported_job`` or need honor_labels.
 BASE = ("run_id", "node", "role")
-STATES = ("rendezvous", "running", "recovering", "succeeded", "failed", "signalled")
+# "preempted": stopped by --preempt-signal (the ``signalled`` event with ``preempted=True``): the
+# scheduler will end the job and may requeue it, which is neither a success nor a failure.
+STATES = ("rendezvous", "running", "recovering", "succeeded", "failed", "signalled", "preempted")
 KNOWN_KINDS = tuple(k.value for k in EventKind)  # always their own ``kind`` label value
 # Kinds that change no metric but elastictk_events_total: the in-place details (a recovery's
 # failure and the restart that may follow are their own events), kept workers (still running),
@@ -315,7 +317,7 @@ class AgentMetrics:
 
     def _signalled(self, now: float, f: dict[str, Any]) -> None:
         self._end_attempt(now)
-        self._finish(now, "signalled")
+        self._finish(now, "preempted" if f.get("preempted") is True else "signalled")
 
     # -- helpers --------------------------------------------------------------------------------
     def _failure(self, now: float) -> None:

@@ -247,8 +247,10 @@ def test_chaos_bounds_nodes_and_workers(tmp_path: Path, tiny: Path) -> None:
 LAUNCH_CASES = [
     ("log-dir-in-proc", ["--log-dir", "/proc/x", "{script}"],
      ["--log-dir /proc/x", "cannot create a directory in /proc", "pick a writable directory"]),
+    # refused: a node that does not host the store first waits read_timeout for it (one
+    # "waiting" line, see the test), as torch's client does
     ("c10d-refused", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
-                      "is_host=false", "--nnodes", "2", "{script}"],
+                      "is_host=false,read_timeout=0.5", "--nnodes", "2", "{script}"],
      ["cannot reach the TCPStore at 127.0.0.1:1", "connection refused", "--rdzv-endpoint"]),
     ("c10d-unresolvable", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400",
                            "--nnodes", "2", "{script}"],
@@ -261,7 +263,7 @@ LAUNCH_CASES = [
                              "29555", "--node-rank", "1", "{script}"],
      ["--master-addr nohost.invalid", "cannot resolve host nohost.invalid"]),
     ("static-refused", ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "1",
-                        "--node-rank", "1", "{script}"],
+                        "--node-rank", "1", "--rdzv-conf", "read_timeout=0.5", "{script}"],
      ["cannot reach the TCPStore at 127.0.0.1:1", "--master-addr/--master-port"]),
     ("ranks-filter-past-nproc", ["--nproc-per-node", "2", "--local-ranks-filter", "5", "{script}"],
      ["--local-ranks-filter 5", "local ranks 0..1", "--nproc-per-node 2"]),
@@ -296,5 +298,9 @@ def test_launch_refuses_with_one_line_before_any_worker(tmp_path: Path, tiny: Pa
     r = subprocess.run([sys.executable, "-m", "elastictk.run", *map(fill, args)], cwd=tmp_path,
                        env=_env(), capture_output=True, text=True, timeout=25)
     took = time.monotonic() - start
+    if "--rdzv-conf" in args and "read_timeout=0.5" in args[args.index("--rdzv-conf") + 1]:
+        waiting, _, rest = r.stderr.partition("\n")
+        assert "waiting up to 0.5s for the store at 127.0.0.1:1" in waiting, r.stderr
+        r = subprocess.CompletedProcess(r.args, r.returncode, r.stdout, rest)
     assert_one_line(r, "elastictk-run", *map(fill, names))
     assert "tiny worker ran" not in r.stdout and took < 20, took

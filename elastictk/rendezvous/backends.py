@@ -8,6 +8,7 @@ hosted by node rank 0, for fixed-size jobs.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
@@ -15,6 +16,9 @@ from typing import Callable, Mapping, Protocol
 import psutil
 
 from ..store import Endpoint, Store, StoreError, StoreUnreachable, parse_endpoint
+from ..store.wait import wait_for_store
+
+log = logging.getLogger("elastictk.rendezvous")
 
 class Closeable(Protocol):
     def close(self) -> None: ...
@@ -91,7 +95,9 @@ def listen_address(host: str, *, single_node: bool, local_addr: str | None = Non
 
 
 def _tcp(ep: Endpoint, host_it: bool | None, timeout: float, listen: str) -> StoreHandle:
-    from ..store.tcp import TCPStore
+    """Host the store or join it; a node that joins waits up to ``timeout`` (``read_timeout``)
+    for the host to listen, as torch's client does: nodes start in any order."""
+    from ..store.tcp import TCPStore, unreachable
 
     if host_it or (host_it is None and is_local(ep.host)):
         try:
@@ -101,6 +107,9 @@ def _tcp(ep: Endpoint, host_it: bool | None, timeout: float, listen: str) -> Sto
             if host_it:
                 raise
             # Another agent on this machine hosts it already (several agents per host): join it.
+    reason = wait_for_store(ep, timeout, lambda line: log.info("%s", line))
+    if reason is not None:
+        raise unreachable(ep, reason)
     return StoreHandle(TCPStore.connect(ep, timeout), False, str(ep))
 
 

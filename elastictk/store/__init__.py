@@ -14,6 +14,7 @@ from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_i
 from .etcd import EtcdStore
 from .file import FileStore
 from .prefix import PrefixStore
+from .wait import wait_for_store
 
 if TYPE_CHECKING:
     from .tcp import TCPStore
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "EtcdStore",
     "FileStore", "PrefixStore", "Store", "StoreClosed", "StoreError", "StoreTimeout",
-    "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use",
+    "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use", "wait_for_store",
 ]
 
 

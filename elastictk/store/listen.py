@@ -65,11 +65,23 @@ def ping_store(endpoint: Endpoint, timeout: float) -> str | None:
 
     Interruptible (a Python socket, not torch's C++ client): Ctrl-C stops it at once.
     """
+    return probe_store(endpoint, timeout)[0]
+
+
+def probe_store(endpoint: Endpoint, timeout: float) -> tuple[str | None, bool]:
+    """:func:`ping_store`'s answer, and whether nothing took the connection at all (refused,
+    unreachable, no answer to the connect): the one case where waiting can help, because the
+    store's host may not listen yet. Something that took the connection and then did not answer
+    as a TCPStore is another program on the port, and stays so."""
     start = time.monotonic()
     sock = connect(endpoint, timeout)
     if isinstance(sock, str):
-        return sock
-    wait = max(0.01, min(PING_DEADLINE, timeout - (time.monotonic() - start)))
+        return sock, True
+    return _ping(sock, timeout - (time.monotonic() - start)), False
+
+
+def _ping(sock: socket.socket, left: float) -> str | None:
+    wait = max(0.01, min(PING_DEADLINE, left))
     nonce = (os.getpid() ^ int(time.monotonic_ns())) & 0xFFFFFFFF
     with sock:
         sock.settimeout(wait)

@@ -38,6 +38,12 @@ finally:
 _ABSENT = b"\x00elastictk-absent\x00" + os.urandom(16)
 
 
+def unreachable(endpoint: Endpoint, reason: str) -> StoreUnreachable:
+    """The one line for a TCPStore that did not answer at ``endpoint``."""
+    return StoreUnreachable(f"cannot reach the TCPStore at {endpoint}: {reason}; check --rdzv-endpoint "
+                            "and that the node hosting the store is up")
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
@@ -72,10 +78,7 @@ class TCPStore(Store):
             endpoint = Endpoint(host, port)
             reason = ping_store(endpoint, timeout)  # a deadline of ours, before torch's client
             if reason is not None:
-                raise StoreUnreachable(
-                    f"cannot reach the TCPStore at {endpoint}: {reason}; check --rdzv-endpoint "
-                    "and that the node hosting the store is up"
-                )
+                raise unreachable(endpoint, reason)
             try:
                 self._raw = dist.TCPStore(
                     host, port, is_master=False, timeout=_td(deadline.remaining() or 0.001),

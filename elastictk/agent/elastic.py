@@ -114,6 +114,10 @@ class AgentConfig:
     # --preempt-signal: the scheduler's warning that it ends the job (Slurm's --signal). The
     # agent forwards it, gives the workers the grace period, stops them and exits 75 (preempt.py).
     preempt_signal: int | None = None
+    # --signals-to-handle: more signals that stop the job as SIGTERM does (torchrun's agent stops
+    # its workers on each signal of that list, SIGQUIT among its defaults); SIGTERM, SIGINT and
+    # SIGHUP always do, so no signal list leaves workers behind.
+    stop_signals: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.recovery = Recovery(self.recovery)  # ValueError names a value that is neither
@@ -148,7 +152,8 @@ class ElasticAgent:
         self._store_endpoint = store_endpoint
         self._signal: int | None = None
         # The signals that end the agent: the terminating ones and the pre-emption warning.
-        self._stopping = TERMINATING + ((config.preempt_signal,) if config.preempt_signal else ())
+        self._stopping = tuple(dict.fromkeys(
+            TERMINATING + tuple(config.stop_signals) + ((config.preempt_signal,) if config.preempt_signal else ())))
         self._old_handlers: dict[int, Any] = {}
         self.group: WorkerGroup | None = None
         self.handler: RendezvousHandler | None = None
@@ -764,7 +769,7 @@ class ElasticAgent:
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            for sig in FORWARDED:
+            for sig in dict.fromkeys(FORWARDED + self._stopping):
                 self._old_handlers[sig] = signal.signal(sig, self._handle_signal)
 
     def _handle_signal(self, signum: int, _frame: Any) -> None:

@@ -92,9 +92,10 @@ _TORCH_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--master-port", "--master_port"), False, "master port (static backend; default 29500)"),
     (("--local-addr", "--local_addr"), False, "this node's address as peers see it"),
     (("--signals-to-handle", "--signals_to_handle"), False,
-     "validated and given to workers as TORCHELASTIC_SIGNALS_TO_HANDLE (default "
-     "SIGTERM,SIGINT,SIGHUP,SIGQUIT, torchrun's); the agent itself always stops the workers on "
-     "SIGTERM, SIGINT, SIGHUP and forwards SIGUSR1, SIGUSR2 (docs/launcher.md)"),
+     "signals that stop the job: sent to the workers, then exit 128+N (default "
+     "SIGTERM,SIGINT,SIGHUP,SIGQUIT, torchrun's; also given to workers as "
+     "TORCHELASTIC_SIGNALS_TO_HANDLE); SIGTERM, SIGINT, SIGHUP always stop it, and SIGUSR1, "
+     "SIGUSR2 not listed are forwarded while the job runs on (docs/launcher.md)"),
     (("--shutdown-timeout", "--shutdown_timeout"), False,
      "seconds from SIGTERM to SIGKILL when stopping workers (default "
      "TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30); same as --grace-period"),

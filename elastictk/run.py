@@ -186,7 +186,7 @@ def _exception_for(config: LaunchConfig, result: "AgentResult") -> Exception:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .agent import AgentResult
-    from .agent.elastic import AgentConfig
+    from .agent.config import AgentConfig
     from .supervisor.forkserver import PreloadServer
 
 

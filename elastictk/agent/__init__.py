@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 _LAZY = {
-    "AgentConfig": ".elastic", "ElasticAgent": ".elastic",
+    "AgentConfig": ".config", "ElasticAgent": ".elastic",
     "AgentResult": ".outcome", "DecisionAction": ".outcome", "Outcome": ".outcome",
     "Recovery": ".outcome", "ResultState": ".outcome",
     "Backoff": ".policy", "MaxRestarts": ".policy", "RestartIntensity": ".policy",
@@ -37,7 +37,8 @@ __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .coordination import Decision
-    from .elastic import AgentConfig, ElasticAgent
+    from .config import AgentConfig
+    from .elastic import ElasticAgent
     from .launch import build_agent, start_preload, worker_start_method
     from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
     from .policy import Backoff, MaxRestarts, RestartIntensity, RestartPolicy

@@ -36,7 +36,8 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
     ``preload_server`` (the caller's, see :func:`start_preload`) is the one workers fork from."""
     # Imported here: these import torch, and start_preload must run before torch is imported.
     from ..rendezvous.backends import open_store
-    from .elastic import AgentConfig, ElasticAgent
+    from .config import AgentConfig
+    from .elastic import ElasticAgent
 
     conf = config.rdzv_conf
     endpoint = config.rdzv_path if config.rdzv_backend == "file" else str(config.rdzv_endpoint)

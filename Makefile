@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC := torch==2.13.0
 # Debian packages that the tests start for real: etcd, Prometheus, ip for network namespaces,
 # libfaketime for a test host whose wall clock is off.
-DEB_PKGS := etcd-server prometheus iproute2 faketime openssl
+DEB_PKGS := etcd-server prometheus iproute2 faketime openssl slurm-wlm munge
 
 .PHONY: demo test check docs install debs bench clean
 

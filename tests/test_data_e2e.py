@@ -8,6 +8,11 @@ after the restore counts once). In it every epoch's samples must be the dataset 
 samples, batch 4 per rank: 5 whole global batches and a short one of 4, no padding), and the
 weights a fault-free run's. The failing side: the same job with torch's DistributedSampler and
 the epoch as its only data position replays the epoch it was in.
+
+The kills come from a fault plan under ``elastictk-chaos`` (rank 1 SIGKILLed after its optimizer
+step 9, before the commit), whose report judges the same invariant from the runtime's own
+records (elastictk/data/record.py, elastictk/chaos/samples.py): ok with ElasticSampler, BROKEN
+with DistributedSampler, naming the samples the script's own records show twice.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from pathlib import Path
 import torch
 
 from elastictk.data import order
+from elastictk.chaos.samples import NAME as DATA_CHECK
+from tests.helpers.chaosrun import chaos, report
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "helpers" / "data_train.py"
@@ -56,37 +63,57 @@ def history(work: Path) -> tuple[dict[int, Counter[int]], set[int]]:
     return epochs, {r["restart"] for r in final.values()}
 
 
-def redone(work: Path) -> int:
-    seen = Counter((r["step"], r["rank"]) for r in
-                   map(json.loads, (work / "record.jsonl").read_text().splitlines()))
-    return sum(1 for n in seen.values() if n > 1)
+def under_chaos(tmp: Path, tag: str, *args: str) -> tuple[str, Path, dict]:
+    """The job under elastictk-chaos with rank 1 SIGKILLed at step 9 (restart-all, --snapshot
+    local); its own records, and the chaos report's data check."""
+    work = tmp / tag
+    work.mkdir()
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"schema": "elastictk.fault-plan/1", "faults": [
+        {"kind": "sigkill", "target": "rank:1", "at_step": KILL}]}))
+    proc = chaos(work, "--plan", str(plan), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                 "--snapshot", "local", "--", str(SCRIPT), "--record", str(work / "record.jsonl"),
+                 "--out", str(work / "w.pt"), "--samples", str(SAMPLES), "--epochs", str(EPOCHS), *args)
+    checks = {c["name"]: c for c in report(work)["checks"]}
+    return proc.stdout + proc.stderr, work, checks
 
 
 def test_a_rank_killed_mid_epoch_trains_every_sample_once_and_ends_with_fault_free_weights(
         tmp_path: Path) -> None:
     _, ref = launch(tmp_path, "ref")
-    out, hit = launch(tmp_path, "kill", "--kill", str(KILL))
+    out, hit, checks = under_chaos(tmp_path, "kill")
     want = Counter(range(SAMPLES))
     for work in (ref, hit):
         epochs, _ = history(work)
         assert sorted(epochs) == list(range(EPOCHS))
         assert all(epochs[e] == want for e in epochs), (work.name, epochs)
     _, restarts = history(hit)
-    assert restarts == {0, 1} and redone(hit) >= 1, "the kill happened and a step was redone"
+    assert restarts == {0, 1}, "the kill happened and the job went on"
+    assert checks[DATA_CHECK]["ok"], checks[DATA_CHECK]
+    assert checks[DATA_CHECK]["detail"].startswith(f"{EPOCHS} finished epoch(s) of {SAMPLES} samples")
+    assert all(c["ok"] for c in checks.values()), out[-3000:]
     got = torch.load(hit / "w.pt", weights_only=True)
     ref_w = torch.load(ref / "w.pt", weights_only=True)
     assert all(torch.equal(got[k], ref_w[k]) for k in ref_w), out[-3000:]
 
 
 def test_distributed_sampler_with_a_checkpoint_per_epoch_replays_the_epoch(tmp_path: Path) -> None:
-    """The failing side, under the same kill: the epoch it was in is trained again from its
-    start, so its samples before the kill appear twice in the final history."""
-    _, hit = launch(tmp_path, "ds", "--kill", str(KILL), "--sampler", "distributed")
+    """The failing side, under the same plan: the epoch it was in is trained again from its
+    start, so its samples before the kill appear twice in the final history; the chaos report
+    says BROKEN and names them, from the runtime's records alone."""
+    out, hit, checks = under_chaos(tmp_path, "ds", "--sampler", "distributed")
     epochs, restarts = history(hit)
     assert restarts == {0, 1}
     assert epochs[0] == Counter(range(SAMPLES))
     twice = epochs[1] - Counter(range(SAMPLES))
     assert sum(twice.values()) == 2 * 8, epochs[1]  # its 2 committed steps trained again
+    data = checks[DATA_CHECK]
+    assert not data["ok"] and data["detail"].startswith(
+        "epoch 1: 16 sample(s) trained more than once (16 extra): "), data
+    named = data["detail"].split(": ", 2)[2].split(", ")[:12]
+    assert [int(i) for i in named] == sorted(twice)[:12]  # the samples the script saw twice
+    assert [c["name"] for c in checks.values() if not c["ok"]] == [DATA_CHECK], out[-3000:]
+    assert f"[BROKEN] {DATA_CHECK}: epoch 1: 16 sample(s)" in out
 
 
 def test_relaunched_from_disk_at_three_ranks_takes_the_rest_of_the_epoch_once(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..faults import FaultPlan
-from . import nodereport, phases
+from . import nodereport, phases, samples
 from .lost import Lost, lost_steps
 from .expect import Shape, expect
 from .runner import RunRecord
@@ -272,6 +272,9 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
                                                       shape=shape, nproc=nproc)
     if snapshot:
         out.append(_snapshot_check(rows, snapshot, snapshot_every, snapshot_overlap))
+    if rec.data:  # the job's DataLoader recorded its batches (elastictk/data/record.py)
+        verdict = samples.judge(rec.data)
+        out.append(Check(samples.NAME, verdict.ok is True, verdict.detail))
     return out
 
 

@@ -13,7 +13,6 @@ after a grace period.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -28,6 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import psutil
 
+from .._safejson import loads as safe_loads
 from ..faults import FaultPlan
 from ..faults.env import AUTO_OPTIMIZER, worker_env
 from ..lifetime import procfs
@@ -107,6 +107,7 @@ class RunRecord:
     progress: list[dict[str, Any]] = field(default_factory=list)  # the workers' progress lines
     fault_lines: list[dict[str, Any]] = field(default_factory=list)  # the fault log's lines of fired faults
     restored: list[dict[str, Any]] = field(default_factory=list)  # State.restore()'s lines (chaos/lost.py)
+    data: list[dict[str, Any]] = field(default_factory=list)  # batches trained (data/record.py, chaos/samples.py)
     ranks_seen: set[int] = field(default_factory=set)  # global ranks that ever had a worker
     unfired: dict[int, str] = field(default_factory=dict)  # fault index -> why the runner did not inject it
     stopped: str = ""  # "timeout" or a signal name when the run was stopped
@@ -268,10 +269,10 @@ def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path,
 
 def _fault_lines(fault_log: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    if fault_log.exists():
-        for line in fault_log.read_text().splitlines():
+    if fault_log.exists():  # written by the workers: parsed as bytes from outside (_safejson)
+        for line in fault_log.read_bytes().splitlines():
             try:
-                d = json.loads(line)
+                d = safe_loads(line)
             except ValueError:
                 continue
             if isinstance(d, dict):
@@ -322,6 +323,7 @@ def read_worker_records(rec: RunRecord, fault_log: Path) -> None:
     rec.progress = [d for d in lines if "progress" in d]
     rec.fault_lines = [d for d in lines if "fault" in d]
     rec.restored = [d for d in lines if "restored" in d]
+    rec.data = [d for d in lines if "data" in d]
 
 
 def _current_workers(rec: RunRecord) -> dict[int, int]:

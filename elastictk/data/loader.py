@@ -8,6 +8,10 @@ commit saves is then exactly the batches trained (a commit runs after the step t
 its batch). It is a subclass with the same arguments; with any other sampler it is torch's
 loader unchanged.
 
+Under ``elastictk-chaos`` the batches handed to the loop are recorded (elastictk/data/record.py):
+an ``ElasticSampler``'s from its cut, a ``DistributedSampler``'s from its order (it is
+deterministic per epoch), so the chaos run judges either from what the job trained.
+
 When the sampler's position is set from outside while an iterator is running
 (``state.rollback()`` or ``load_bytes`` in place, ``load_state_dict``), or the world size
 changed, the iterator drops its prefetched batches and goes on from the new position.
@@ -18,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import torch.utils.data
 
+from . import record
 from .sampler import ElasticSampler, _Pass
 
 
@@ -46,6 +51,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's iterator, wrapped
         sampler = self.sampler
         if not isinstance(sampler, ElasticSampler):
+            if record.on():
+                return _recorded(self, super().__iter__())
             return super().__iter__()
         return _Counted(self, sampler)
 
@@ -98,3 +105,43 @@ class _Counted:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+
+def _recorded(loader: DataLoader, base: Iterator[Any]) -> Iterator[Any]:
+    """torch's iterator over a ``DistributedSampler`` (or another sampler), each batch handed
+    recorded with the indices the sampler gave for it; any other sampler's batches are not
+    known here, which one ``off`` line says."""
+    sampler = loader.sampler
+    if not isinstance(sampler, torch.utils.data.DistributedSampler) or loader.batch_size is None:
+        record.off(f"a DataLoader over a {type(sampler).__name__}: its batches are not recorded "
+                   "(ElasticSampler and DistributedSampler are)")
+        yield from base
+        return
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    mine = list(iter(sampler))  # deterministic for its epoch: the same order torch's loader takes
+    world, rank = sampler.num_replicas, sampler.rank
+    bs = loader.batch_size
+    epoch = sampler.epoch
+    taken = 0
+    for item in base:
+        part = mine[taken:taken + bs]
+        padded = [rank + (taken + k) * world >= size for k in range(len(part))]
+        record.batch(epoch, [i for i, p in zip(part, padded) if not p],
+                     [i for i, p in zip(part, padded) if p], size)
+        taken += len(part)
+        yield item
+    left_out = mine[taken:]  # DataLoader(drop_last=True): the short last batch
+    if sampler.drop_last:
+        left_out += _ds_dropped(sampler, size)
+    record.end(epoch, left_out, size)
+
+
+def _ds_dropped(sampler: torch.utils.data.DistributedSampler[Any], size: int) -> list[int]:
+    """The indices ``DistributedSampler(drop_last=True)`` leaves out of every rank's share."""
+    if sampler.shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + sampler.epoch)
+        perm = torch.randperm(size, generator=g).tolist()
+    else:
+        perm = list(range(size))
+    return perm[sampler.total_size:]

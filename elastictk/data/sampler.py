@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Optional, Sized
 
 from torch.utils.data import Sampler
 
-from . import plan
+from . import plan, record
 
 log = logging.getLogger("elastictk.data")
 
@@ -164,6 +164,9 @@ class ElasticSampler(Sampler[int]):
         cut = plan.cut(size, start, self._batch(), rank, world, self.drop_last)
         self._tell(cut, world)
         by_loader, self._loader_next = self._loader_next, False
+        if not by_loader:
+            record.off("an ElasticSampler iterated by torch's DataLoader: which batches were "
+                       "trained is not known; use elastictk.data.DataLoader (same arguments)")
         if not by_loader and _multiworker_torch_loader():
             self._say("prefetch", "ElasticSampler: a torch DataLoader with num_workers > 0 "
                       "prefetches batches, so the position committed would count them as "
@@ -201,11 +204,19 @@ class ElasticSampler(Sampler[int]):
     def _handed(self, p: Optional[_Pass]) -> None:
         if p is not None and p is self._pass:
             p.handed += 1
+            if record.on() and p.handed <= len(p.cut.batches):
+                size = p.cut.size
+                offsets = p.cut.batches[p.handed - 1]
+                record.batch(p.epoch, [p.order[o] for o in offsets if o < size],
+                             [p.order[o % size] for o in offsets if o >= size], size)
 
     def _loader_finished(self, p: Optional[_Pass]) -> None:
         if p is not None and p is self._pass:
             p.finished = True
             self._finished_here = True
+            if record.on():
+                size = p.cut.size
+                record.end(p.epoch, p.order[size - p.cut.dropped:size] if p.cut.dropped else [], size)
 
     def _tell(self, cut: plan.Cut, world: int) -> None:
         if cut.padded:

@@ -271,10 +271,14 @@ class State:
 def _record_restored(step: Optional[int]) -> None:
     """Under elastictk-chaos (``ELASTICTK_FAULT_LOG``), one ``restored`` line: the step this
     process resumed at (None: nothing restored), so steps lost are judged from what the job did
-    (elastictk/chaos/lost.py), never from its output. Outside chaos: nothing."""
+    (elastictk/chaos/lost.py), never from its output; the data record numbers the batches
+    trained from that step on (elastictk/data/record.py). Outside chaos: nothing."""
     path = os.environ.get(ENV_LOG)
     if not path:
         return
+    from ..data import record
+
+    record.resumed(step)
     import json
     import time
 

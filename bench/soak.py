@@ -100,6 +100,7 @@ class Soak:
         self.stop = threading.Event()
         self.live: dict[int, subprocess.Popen[bytes]] = {}
         self.lock = threading.Lock()
+        self.judged: dict[str, list[bool]] = {}  # a scenario's required check -> its verdict per run
 
     def one(self, index: int, scenario: Scenario, seed: int) -> Optional[RunResult]:
         if self.stop.is_set():
@@ -133,9 +134,26 @@ class Soak:
         r = read_run(out, index=index, scenario=scenario.name, mode=scenario.mode, script=scenario.script,
                      seed=seed, exit_code=proc.returncode, wall_s=wall, command=cmd, killed=killed,
                      orphans=orphans)
+        self._judged(r, scenario, out)
         if r.ok and not self.keep:
             shutil.rmtree(out, ignore_errors=True)
         return r
+
+    def _judged(self, r: RunResult, scenario: Scenario, out: Path) -> None:
+        """The checks ``scenario`` must have judged: one missing from the report is broken (a
+        run that never judged the data, say, proves nothing about it)."""
+        if not scenario.judged or r.error is not None:
+            return
+        try:
+            checks = {c.get("name"): c for c in json.loads((out / "chaos-report.json").read_text())["checks"]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            checks = {}
+        for name in scenario.judged:
+            got = checks.get(name)
+            with self.lock:
+                self.judged.setdefault(name, []).append(bool(got and got.get("ok")))
+            if got is None:
+                r.broken.append(f"{name}: not judged (the report holds no such check)")
 
     def interrupt(self) -> None:
         """Stop: no new run starts; every running elastictk-chaos gets SIGTERM (it stops its job)."""
@@ -252,6 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{Totals.of(results).line()}")
     for c in checks:
         print(f"  [{'ok' if c.ok else 'FAILED'}] {c.name}: {c.detail}")
+    for name, oks in soak.judged.items():
+        print(f"  judged in {len(oks)} run(s), {oks.count(False)} broken: {name}")
     kept = [r for r in results if not r.ok]
     if kept:
         print(f"{PROG}: the failed runs' reports are in {out}: "

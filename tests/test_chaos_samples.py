@@ -146,6 +146,9 @@ def test_garbage_records_never_raise_and_never_pass(records: list[Any]) -> None:
 
 def test_no_records_or_no_finished_epoch_is_unknown_and_says_why() -> None:
     assert samples.MAX_SAMPLES == record.MAX_SAMPLES  # the judge reads what the workers write
+    from bench._soak_matrix import DATA_CHECK
+
+    assert DATA_CHECK == samples.NAME  # the soak's data scenario requires this check by name
     assert samples.judge([]).detail == "unknown: no batch was recorded"
     half = {"data": "batch", "epoch": 0, "step": 1, "attempt": 0, "rank": 0, "samples": 4, "indices": [0]}
     assert samples.judge([half]).detail == "unknown: no epoch finished in the run's final history"
@@ -225,3 +228,21 @@ def test_nothing_is_recorded_outside_chaos_and_big_datasets_say_so(fault_log: Pa
     for _ in DataLoader(ds, batch_size=2, sampler=ElasticSampler(ds, num_replicas=1, rank=0)):
         pass
     assert not fault_log.exists()
+
+
+def test_a_soak_run_whose_report_never_judged_the_data_is_broken(tmp_path: Path) -> None:
+    """The soak's data scenario requires the check: a report without it (recording silently
+    off) counts as a broken invariant; with it, the verdict is tallied."""
+    from bench._soak_matrix import SCENARIOS
+    from bench._soak_tally import RunResult
+    from bench.soak import Soak
+
+    scenario = next(s for s in SCENARIOS if s.judged)
+    soak = Soak(tmp_path, keep=True)
+    for i, checks in enumerate(([{"name": "every planned fault fired", "ok": True}],
+                                [{"name": samples.NAME, "ok": True, "detail": "1 finished epoch(s)"}])):
+        (tmp_path / "chaos-report.json").write_text(json.dumps({"checks": checks}))
+        r = RunResult(i, scenario.name, scenario.mode, scenario.script, 0, 0, 1.0)
+        soak._judged(r, scenario, tmp_path)
+        assert r.broken == ([] if i else [f"{samples.NAME}: not judged (the report holds no such check)"])
+    assert soak.judged == {samples.NAME: [False, True]}

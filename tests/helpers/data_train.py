@@ -6,7 +6,8 @@ final history from step numbers. ``--sampler elastic`` uses ``ElasticSampler`` i
 ``--sampler distributed`` uses torch's ``DistributedSampler`` and keeps only the epoch in the
 State (the data position a per-epoch checkpoint has). On its first attempt, rank 1 SIGKILLs
 itself after training step ``--kill``, before committing it
-(the step is redone after the restore). The model is seeded by the restart count, so only a
+(the step is redone after the restore); under elastictk-chaos the plan's step faults fire at
+the same point (``fault_point(step)``, the job's step). The model is seeded by the restart count, so only a
 restore gives the fault-free weights.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from elastictk import State
 from elastictk.data import DataLoader, ElasticSampler
+from elastictk.faults import fault_point
 
 
 class Numbers(Dataset):
@@ -65,6 +67,7 @@ def main() -> None:
         state = State(model=model, optimizer=opt, step=0, epoch=0)
     loader = DataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=2)
     state.restore()
+    fault_point(state.step)  # the job's step numbers are the fault plan's (and the first one recorded)
     first = sampler.epoch if isinstance(sampler, ElasticSampler) else state.epoch
     with open(a.record, "a") as rec:
         for epoch in range(first, a.epochs):
@@ -79,6 +82,7 @@ def main() -> None:
                 rec.flush()
                 if restart == 0 and state.step == a.kill and rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)  # trained, not committed: redone
+                fault_point(state.step)  # a chaos plan's step faults: trained, not committed
                 state.commit()
             if a.sampler == "distributed":
                 state.epoch = epoch + 1  # a checkpoint per epoch: the next epoch starts there

@@ -31,6 +31,7 @@ MAX_SAMPLES = 65536  # indices per line stay small; a bigger dataset is not reco
 _base: Optional[int] = None   # the step State.restore() resumed at (None: not told)
 _handed = 0                   # batches handed since _base was set
 _loop: Optional[tuple[int, int]] = None  # run_elastic's (step about to run, attempt)
+_in_step = False              # a batch was handed since run_elastic named its step
 _off_said: set[str] = set()
 
 
@@ -48,8 +49,8 @@ def resumed(step: Optional[int]) -> None:
 def at_step(step: int, attempt: int) -> None:
     """``run_elastic`` is about to run step ``step`` (the value ``state.step`` will have after
     it) in the generation whose restart count is ``attempt``."""
-    global _loop
-    _loop = (int(step), int(attempt))
+    global _loop, _in_step
+    _loop, _in_step = (int(step), int(attempt)), False
 
 
 def _attempt() -> int:
@@ -62,10 +63,12 @@ def _attempt() -> int:
 
 
 def _step(advance: bool) -> Optional[int]:
-    """The step of the batch being handed (``advance``), or the steps done (an epoch's end)."""
-    global _handed
+    """The step of the batch being handed (``advance``), or of the last batch handed (an
+    epoch's end: it ends after that step)."""
+    global _handed, _in_step
     if _loop is not None:
-        return _loop[0] if advance else _loop[0] - 1
+        _in_step = _in_step or advance
+        return _loop[0] if _in_step else _loop[0] - 1
     if advance:
         _handed += 1
     base = _base if _base is not None else (0 if _attempt() == 0 else None)
@@ -128,6 +131,6 @@ def _env_int(name: str) -> Optional[int]:
 
 def _reset() -> None:
     """Forget the step (tests)."""
-    global _base, _handed, _loop
-    _base, _handed, _loop = None, 0, None
+    global _base, _handed, _loop, _in_step
+    _base, _handed, _loop, _in_step = None, 0, None, False
     _off_said.clear()

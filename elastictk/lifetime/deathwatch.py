@@ -66,7 +66,10 @@ def _kill_sessions(ids: set[int]) -> None:
 
 def main() -> int:
     """Read ``+sid``/``-sid`` lines until ``bye`` (exit quietly) or EOF (kill, then exit)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # It ends on bye or EOF only: a scheduler signals every process of a job (Slurm's
+    # scancel --signal), and a watch killed by it would leave the workers' descendants unwatched.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     ids: set[int] = set()
     stdin = sys.stdin.buffer
     for raw in stdin:

@@ -279,6 +279,11 @@ def serve(ctl_fd: int, preload: Sequence[str], job: str | None = None) -> None:
     from .titles import server_title, set_title
 
     set_title(*server_title(job))
+    # A scheduler signals every process of a job (Slurm's scancel --signal, --signal=USR1@T),
+    # and the workers die with this server: it ends on its owner's EOF only. Its children
+    # take the default dispositions back (_child_prologue).
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     ctl = socket.socket(fileno=ctl_fd)
     ctl_fd = ctl.fileno()
     server_pid = os.getpid()

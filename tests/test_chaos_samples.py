@@ -31,6 +31,7 @@ def simulate(n: int, batch: int, worlds: list[int], fails: list[int], every: int
     committed = (0, 0, 0)  # (step, epoch, position)
     for attempt, world in enumerate(worlds):
         step, epoch, position = committed
+        base = step
         budget = fails[attempt] if attempt < len(worlds) - 1 else 10**9
         handed = 0
         while epoch < epochs and handed < budget:
@@ -43,6 +44,7 @@ def simulate(n: int, batch: int, worlds: list[int], fails: list[int], every: int
                 for r, c in enumerate(cuts):
                     offs = c.batches[k]
                     out.append({"data": "batch", "epoch": epoch, "step": step, "attempt": attempt,
+                                "world": world, "base": base,
                                 "rank": r, "samples": n, "indices": [o for o in offs if o < n],
                                 "padding": [o % n for o in offs if o >= n]})
                 position = cuts[0].position_after(k + 1)
@@ -52,6 +54,7 @@ def simulate(n: int, batch: int, worlds: list[int], fails: list[int], every: int
                 dropped = cuts[0].dropped
                 for r in range(world):
                     out.append({"data": "end", "epoch": epoch, "step": step, "attempt": attempt,
+                                "world": world, "base": base,
                                 "rank": r, "samples": n, "dropped": list(range(n - dropped, n))})
                 epoch, position = epoch + 1, 0
                 if step % every == 0:
@@ -92,10 +95,9 @@ def test_a_lost_batch_or_a_replayed_step_is_named(job: tuple, pick: int) -> None
     v = samples.judge(gone)
     assert v.ok is False and set(v.missing[victim.epoch]) >= set(victim.indices), v.detail
     last = max(d["step"] for d in lines)
-    again = {"data": "batch", "epoch": victim.epoch, "step": last + 1, "attempt": max(d["attempt"] for d in lines),
-             "rank": 0, "samples": victim.samples, "indices": list(victim.indices), "padding": []}
-    end = [i for i, d in enumerate(lines) if d["data"] == "end" and d["epoch"] == victim.epoch]
-    v = samples.judge(lines[:end[0]] + [again] + lines[end[0]:] if end else lines + [again])
+    again = {**lines[-1], "data": "batch", "epoch": victim.epoch, "step": last + 1, "rank": 0,
+             "indices": list(victim.indices), "padding": []}  # the last run trains them again
+    v = samples.judge(lines + [again])
     assert v.ok is False and set(v.duplicated[victim.epoch]) == set(victim.indices), v.detail
 
 
@@ -109,9 +111,11 @@ def test_an_epoch_replayed_from_its_start_after_a_restore_is_broken() -> None:
             for r in range(world):
                 ix = list(range(r, n, world))[k * batch:(k + 1) * batch]
                 out.append({"data": "batch", "epoch": 0, "step": first_step + k, "attempt": attempt,
+                            "world": world, "base": first_step - 1,
                             "rank": r, "samples": n, "indices": ix, "padding": []})
         return out
-    ends = [{"data": "end", "epoch": 0, "step": 6, "attempt": 1, "rank": r, "samples": n, "dropped": []}
+    ends = [{"data": "end", "epoch": 0, "step": 6, "attempt": 1, "world": world, "base": 2, "rank": r,
+             "samples": n, "dropped": []}
             for r in range(world)]
     v = samples.judge(steps(0, 1, 3) + steps(1, 3, 4) + ends)  # step 3 killed, restored at 2
     assert v.ok is False
@@ -125,6 +129,7 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
 fields = st.fixed_dictionaries({}, optional={
     "data": st.sampled_from(["batch", "end", "off", "x"]) | json_values, "epoch": json_values | st.integers(-2, 3),
     "step": json_values | st.integers(-2, 9), "attempt": st.integers(-1, 2) | json_values,
+    "world": st.integers(0, 3) | json_values, "base": st.integers(-2, 3) | json_values,
     "rank": st.integers(-1, 2) | json_values, "samples": st.integers(-1, 9) | json_values,
     "indices": st.lists(st.integers(-2, 10) | json_values, max_size=5) | json_values,
     "padding": json_values, "dropped": json_values, "why": json_values})
@@ -150,7 +155,8 @@ def test_no_records_or_no_finished_epoch_is_unknown_and_says_why() -> None:
 
     assert DATA_CHECK == samples.NAME  # the soak's data scenario requires this check by name
     assert samples.judge([]).detail == "unknown: no batch was recorded"
-    half = {"data": "batch", "epoch": 0, "step": 1, "attempt": 0, "rank": 0, "samples": 4, "indices": [0]}
+    half = {"data": "batch", "epoch": 0, "step": 1, "attempt": 0, "world": 1, "base": 0, "rank": 0,
+            "samples": 4, "indices": [0]}
     assert samples.judge([half]).detail == "unknown: no epoch finished in the run's final history"
     off = {"data": "off", "rank": 1, "why": "the dataset has 70000 samples, more than the 65536 recorded"}
     assert samples.judge([half, off]).detail.startswith("unknown: rank 1 recorded no batches: the dataset")

@@ -5,10 +5,13 @@ short last global batch, the epoch, and the step it trains in, in the job's numb
 end of an epoch on that rank (with the indices left out by design: ``drop_last``), or that the
 rank's batches are not recorded (``off``, with why).
 
-The run's *final history* is what the final weights were trained on. Attempts (restart counts)
-are taken in order; an attempt resumes after the step before its first recorded step, so every
-line of an earlier attempt at or past that step was rolled back and is dropped (a step redone
-after a rollback counts once: per step number, the last attempt that ran it). An epoch is
+The run's *final history* is what the final weights were trained on. The job's *runs* (the
+workers of one restart or membership change: the same restart count, world size and step
+``State.restore()`` resumed at; under ``run_elastic`` one generation's restart count) are taken
+in the order the lines were written (one fault log, appended to by every worker); a run resumes
+after the step before its first recorded step, so every line of an earlier run at or past that
+step was rolled back and is dropped (a step redone after a rollback counts once: per step
+number, the last run that trained it). An epoch is
 *finished* when its end is in the final history or a later epoch is. The invariant: in every
 finished epoch each sample of the dataset, less those left out by design, was trained exactly
 once (padding aside).
@@ -37,6 +40,7 @@ class Line:
     attempt: int
     rank: int
     samples: int
+    run: tuple[int, int, int]  # (attempt, world, base): the lines of one run of the job's workers
     indices: tuple[int, ...] = ()
     padding: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
@@ -77,6 +81,9 @@ def parse(d: Any) -> tuple[Optional[Line], str]:
     epoch, attempt, rank, samples = (_int(d.get(k)) for k in ("epoch", "attempt", "rank", "samples"))
     if epoch is None or attempt is None or rank is None or samples is None or samples > MAX_SAMPLES:
         return None, f"a record lacks a whole epoch, attempt, rank or dataset size (<= {MAX_SAMPLES})"
+    world, base = _int(d.get("world"), 1), _int(d.get("base"), -1)
+    if world is None or base is None:
+        return None, f"rank {rank}'s record names no world size or resumed step"
     step = _int(d.get("step"))
     if step is None:
         return None, (f"rank {rank} in attempt {attempt} recorded batches with no step: it resumed "
@@ -86,15 +93,15 @@ def parse(d: Any) -> tuple[Optional[Line], str]:
     bad = [k for k, v in lists.items() if v is None or any(i >= samples for i in v)]
     if bad:
         return None, f"rank {rank}'s record holds {bad[0]} that are not indices of {samples} samples"
-    return Line(kind, epoch, step, attempt, rank, samples, lists["indices"] or (),
+    return Line(kind, epoch, step, attempt, rank, samples, (attempt, world, base), lists["indices"] or (),
                 lists["padding"] or (), lists["dropped"] or ()), ""
 
 
 def final_history(lines: Sequence[Line]) -> list[Line]:
     """The lines the final weights were trained on (see the module's docstring)."""
     kept: list[Line] = []
-    for attempt in sorted({x.attempt for x in lines}):
-        mine = [x for x in lines if x.attempt == attempt]
+    for run in dict.fromkeys(x.run for x in lines):  # in the order the runs first wrote
+        mine = [x for x in lines if x.run == run]
         if kept:  # this attempt resumed at the step before its first batch (or at its first end)
             resumed = min(x.step - 1 if x.kind == "batch" else x.step for x in mine)
             kept = [x for x in kept if x.step <= resumed]

@@ -30,7 +30,7 @@ MAX_SAMPLES = 65536  # indices per line stay small; a bigger dataset is not reco
 
 _base: Optional[int] = None   # the step State.restore() resumed at (None: not told)
 _handed = 0                   # batches handed since _base was set
-_loop: Optional[tuple[int, int]] = None  # run_elastic's (step about to run, attempt)
+_loop: Optional[tuple[int, int, int]] = None  # run_elastic's (step about to run, attempt, world)
 _in_step = False              # a batch was handed since run_elastic named its step
 _off_said: set[str] = set()
 
@@ -46,11 +46,11 @@ def resumed(step: Optional[int]) -> None:
     _base, _handed = int(step or 0), 0
 
 
-def at_step(step: int, attempt: int) -> None:
+def at_step(step: int, attempt: int, world: int) -> None:
     """``run_elastic`` is about to run step ``step`` (the value ``state.step`` will have after
-    it) in the generation whose restart count is ``attempt``."""
+    it) in the generation whose restart count is ``attempt``, of ``world`` ranks."""
     global _loop, _in_step
-    _loop, _in_step = (int(step), int(attempt)), False
+    _loop, _in_step = (int(step), int(attempt), int(world)), False
 
 
 def _attempt() -> int:
@@ -104,8 +104,14 @@ def off(why: str) -> None:
 
 
 def _write(entry: dict[str, object]) -> None:
-    entry.update({"rank": _env_int("RANK"), "attempt": _attempt(), "pid": os.getpid(),
-                  "monotonic": time.monotonic()})
+    """One line, with who wrote it and which run of the job it belongs to: ``attempt`` (the
+    restart count), ``world`` and ``base`` (the step ``State.restore()`` resumed at; -1 under
+    ``run_elastic``). A membership change restarts every worker without a restart counted, so
+    the three together tell the runs apart (elastictk/chaos/samples.py)."""
+    world = _loop[2] if _loop is not None else (_env_int("WORLD_SIZE") or 1)
+    base = -1 if _loop is not None else (_base if _base is not None else 0)
+    entry.update({"rank": _env_int("RANK"), "attempt": _attempt(), "world": world, "base": base,
+                  "pid": os.getpid(), "monotonic": time.monotonic()})
     path = os.environ.get(ENV_LOG)
     if not path:
         return

@@ -86,7 +86,7 @@ def run_elastic(state: State, train_step: StepFn, *, steps: Optional[int] = None
         try:
             while not finished(state):
                 if recording:  # the data a chaos run judges: which step each batch trains in
-                    data_record.at_step(int(state.step) + 1, ctx.restart_count)
+                    data_record.at_step(int(state.step) + 1, ctx.restart_count, ctx.world_size)
                 for hook in hooks:
                     hook(int(state.step), rank=ctx.rank, restart_count=ctx.restart_count,
                          finished=False)

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", type=int, default=-1)
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds to sleep after each step")
     a = p.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
@@ -84,6 +86,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)  # trained, not committed: redone
                 fault_point(state.step)  # a chaos plan's step faults: trained, not committed
                 state.commit()
+                if a.step_time:
+                    time.sleep(a.step_time)
             if a.sampler == "distributed":
                 state.epoch = epoch + 1  # a checkpoint per epoch: the next epoch starts there
     if rank == 0:

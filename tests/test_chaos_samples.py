@@ -252,3 +252,19 @@ def test_a_soak_run_whose_report_never_judged_the_data_is_broken(tmp_path: Path)
         soak._judged(r, scenario, tmp_path)
         assert r.broken == ([] if i else [f"{samples.NAME}: not judged (the report holds no such check)"])
     assert soak.judged == {samples.NAME: [False, True]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(junk=st.lists(st.binary(max_size=40) | st.sampled_from(
+    [b"[" * 5000, b'{"data": NaN}', b"\xff\xfe{", b'{"data": "batch", "step": 1e999}', b"{" * 100]), max_size=5))
+def test_the_fault_log_reader_survives_garbage_lines(junk: list[bytes], tmp_path_factory: Any) -> None:
+    """The chaos runner reads the workers' fault log while they write it: lines of garbage
+    (invalid UTF-8, deep nesting, NaN, huge numbers) are skipped, the good lines still read."""
+    from elastictk.chaos.runner import RunRecord, read_worker_records
+
+    log = tmp_path_factory.mktemp("log") / "faults.jsonl"
+    good = json.dumps(GOOD[0]).encode()
+    log.write_bytes(b"\n".join([*junk, good, *junk]) + b"\n")
+    rec = RunRecord(argv=[], started=0.0)
+    read_worker_records(rec, log)
+    assert GOOD[0] in rec.data

@@ -262,6 +262,13 @@ class SlurmCluster:
         proc.wait(timeout=30)
         return proc.pid
 
+    def pids_on(self, name: str) -> list[int]:
+        """The processes running on node ``name`` now (in its namespace): its slurmd, the
+        ``slurmstepd`` of each job step there and the step's tasks."""
+        n = self.node(name)
+        own = self._procs.get(f"slurmd-{name}")
+        return self._namespace_pids([n]) + ([own.pid] if own is not None and own.poll() is None else [])
+
     def wait_nodes_idle(self, names: Sequence[str], timeout: float | None = None) -> None:
         t = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + t

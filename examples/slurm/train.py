@@ -52,7 +52,8 @@ def main() -> None:
     note(args.out, rank, "restored", f"{restored}\n", mode="a")
     while state.step < args.steps:
         opt.zero_grad()
-        model(torch.ones(2, 4) * state.step).pow(2).sum().backward()
+        x = torch.ones(2, 4) * (state.step % 4 + 1) / 4  # bounded inputs: the weights stay finite
+        (model(x) - 1).pow(2).sum().backward()
         for prm in model.parameters():
             dist.all_reduce(prm.grad)
         opt.step()

@@ -30,7 +30,7 @@ from tests.helpers.netns import Hosts, kill_tree, leftover_namespaces, netns_wor
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "helpers" / "data_train.py"
-CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
+CONF = "last_call_timeout=1,heartbeat_interval=0.3,heartbeat_timeout=4,join_timeout=60"  # slack for a loaded machine
 PORT = 29400
 SAMPLES, BATCH, EPOCHS = 108, 6, 2
 
@@ -57,7 +57,7 @@ def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, s
         def on(i: int) -> subprocess.Popen[str]:
             argv = [sys.executable, "-m", "elastictk.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:{PORT}", "--rdzv-id",
-                    "data", "--rdzv-conf", CONF, "--start-method", "spawn", "--max-restarts", "3",
+                    "data", "--rdzv-conf", CONF, "--start-method", "spawn", "--max-restarts", "6",
                     "--snapshot", "disk", "--snapshot-dir", str(tmp / "ckpt"), "--snapshot-every", "1",
                     str(SCRIPT), "--record", str(record), "--out", str(tmp / "w.pt"), "--samples",
                     str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS), "--step-time", "0.3"]

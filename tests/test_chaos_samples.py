@@ -226,6 +226,8 @@ def test_nothing_is_recorded_outside_chaos_and_big_datasets_say_so(fault_log: Pa
     ds = TensorDataset(torch.arange(6))
     for _ in DataLoader(ds, batch_size=2, sampler=ElasticSampler(ds, num_replicas=1, rank=0)):
         pass
+    for _ in DataLoader(ds, batch_size=2, shuffle=True):  # another sampler: not judged, no line
+        pass
     (off,) = _lines(fault_log)
     assert off["data"] == "off" and "more than the 4 recorded" in off["why"]
     assert samples.judge([off]).ok is None

@@ -10,7 +10,8 @@ loader unchanged.
 
 Under ``elastictk-chaos`` the batches handed to the loop are recorded (elastictk/data/record.py):
 an ``ElasticSampler``'s from its cut, a ``DistributedSampler``'s from its order (it is
-deterministic per epoch), so the chaos run judges either from what the job trained.
+deterministic per epoch), so the chaos run judges either from what the job trained; a loader
+over any other sampler (an evaluation loader, say) writes nothing and is not judged.
 
 When the sampler's position is set from outside while an iterator is running
 (``state.rollback()`` or ``load_bytes`` in place, ``load_state_dict``), or the world size
@@ -51,9 +52,10 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's iterator, wrapped
         sampler = self.sampler
         if not isinstance(sampler, ElasticSampler):
-            if record.on():
+            if record.on() and isinstance(sampler, torch.utils.data.DistributedSampler) \
+                    and self.batch_size is not None:
                 return _recorded(self, super().__iter__())
-            return super().__iter__()
+            return super().__iter__()  # another sampler: not judged (no line at all)
         return _Counted(self, sampler)
 
     def _torch_iter(self) -> Iterator[Any]:
@@ -108,15 +110,10 @@ class _Counted:
 
 
 def _recorded(loader: DataLoader, base: Iterator[Any]) -> Iterator[Any]:
-    """torch's iterator over a ``DistributedSampler`` (or another sampler), each batch handed
-    recorded with the indices the sampler gave for it; any other sampler's batches are not
-    known here, which one ``off`` line says."""
+    """torch's iterator over a ``DistributedSampler``, each batch handed recorded with the
+    indices the sampler gave for it."""
     sampler = loader.sampler
-    if not isinstance(sampler, torch.utils.data.DistributedSampler) or loader.batch_size is None:
-        record.off(f"a DataLoader over a {type(sampler).__name__}: its batches are not recorded "
-                   "(ElasticSampler and DistributedSampler are)")
-        yield from base
-        return
+    assert isinstance(sampler, torch.utils.data.DistributedSampler) and loader.batch_size is not None
     size = len(sampler.dataset)  # type: ignore[arg-type]
     mine = list(iter(sampler))  # deterministic for its epoch: the same order torch's loader takes
     world, rank = sampler.num_replicas, sampler.rank

@@ -228,5 +228,7 @@ def test_a_node_failing_its_health_check_is_drained_in_slurm(slurm: SlurmCluster
             assert worlds(out, node) == [2], (node, worlds(out, node))
         assert all("DRAIN" not in slurm.node_info(n).get("State", "") for n in ("n1", "n2"))
     finally:
+        # n3's agent waits out --rdzv-conf join_timeout for its check to pass, even once the
+        # others finished: the job ends only then, so it is cancelled here
         slurm.client(["scancel", job], check=False)
         slurm.client(["scontrol", "update", "NodeName=n3", "State=RESUME"], check=False)

@@ -138,6 +138,9 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
             "MpiDefault=none", "SwitchType=switch/none",
             "SchedulerType=sched/builtin", "ReturnToService=2", "JobRequeue=1",
+            # a requeued job waits cred_expire, then for the main scheduling loop (60 s by
+            # default): every second here
+            "SchedulerParameters=sched_interval=1",
             # short timeouts: a killed slurmd is noticed in seconds, not minutes
             "SlurmctldTimeout=10", "SlurmdTimeout=10", "MessageTimeout=5", "TCPTimeout=2",
             "KillWait=5", "InactiveLimit=0", "MinJobAge=600", "WaitTime=0",

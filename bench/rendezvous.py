@@ -22,6 +22,10 @@ Both sides use the same server: torch's c10d ``TCPStore`` (libuv), listening on 
 (see ``_server``). elastictk heartbeats every 1 s (timeout 10 s); torch keeps its defaults
 (keep-alive every 5 s, 3 attempts, a random 0-0.3 s delay before a first join, 1 s between
 state polls). Both get the node address 127.0.0.1, so neither looks up the host name.
+
+``python -m bench rendezvous --scale`` goes past a rack: 8 to 1,024 simulated nodes (threads,
+not processes) against a real TCPStore and etcd, with the formation time, the steady-state load
+on the store and the time to re-form after a lost node (``bench/_rdzv_scale.py``).
 """
 from __future__ import annotations
 

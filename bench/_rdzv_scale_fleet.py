@@ -1,0 +1,178 @@
+"""The simulated nodes of one case, spread over a few forked worker processes.
+
+Each worker hosts up to ``PER_WORKER`` nodes as threads (``_rdzv_scale_nodes.SimNode``); the
+benchmark drives them all through one command pipe per worker. Why processes at all: a node is
+five threads (its join or re-form, heartbeat, membership watch and fence, failure watch,
+straggler records), and five thousand threads under one GIL spend their time handing it over
+(futex calls, which this sandbox's kernel makes slow) instead of talking to the store; a
+hundred and twenty-eight nodes per interpreter keep the clients from being what is measured.
+Times are ``time.monotonic()``, one clock for all processes of the machine.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import multiprocessing
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import psutil
+
+from elastictk.rendezvous import RendezvousConfig
+
+PER_WORKER = 128
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node after a join: where it stands, and when."""
+
+    index: int
+    node_id: str
+    round: int | None
+    rank: int | None
+    world: int | None
+    members: str | None  # a digest of the member list
+    joined_at: float | None
+    noticed_at: float | None
+    error: str | None
+
+
+def _digest(ids: list[str]) -> str:
+    return hashlib.sha1("\n".join(sorted(ids)).encode()).hexdigest()[:16]
+
+
+def _report(nd: Any) -> NodeReport:
+    i = nd.info
+    return NodeReport(nd.index, nd.node_id, None if i is None else i.round, None if i is None else i.rank,
+                      None if i is None else i.world_size,
+                      None if i is None else _digest([m.node_id for m in i.members]),
+                      nd.joined_at, nd.noticed_at, None if nd.error is None else repr(nd.error)[:300])
+
+
+def _worker(conn: Connection, backend: str, endpoint: str, cfg: RendezvousConfig, indices: list[int]) -> None:
+    """A worker's command loop (in the forked process)."""
+    from ._rdzv_scale_nodes import SimNode, in_threads
+    from ._rdzv_scale_store import Tally, connect
+
+    threading.stack_size(512 * 1024)
+    tally = Tally()
+
+    class _At:  # what SimNode needs of a server
+        def connect(self, t: Tally) -> Any:
+            return connect(backend, endpoint, t)
+
+    nodes: list[SimNode] = []
+    threads: list[threading.Thread] = []
+    me = psutil.Process()
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "build":
+                with ThreadPoolExecutor(16) as pool:  # connecting is not timed
+                    nodes = list(pool.map(lambda i: SimNode(_At(), tally, cfg, i), indices))  # type: ignore[arg-type]
+                conn.send("ok")
+            elif cmd == "join":  # at monotonic time args[0], all nodes at once
+                go = threading.Event()
+                threads = in_threads(nodes, "join", go=go)
+                time.sleep(max(0.0, args[0] - time.monotonic()))
+                go.set()
+                conn.send("ok")
+            elif cmd == "joined":  # wait for the join (or re-form) threads; report every node
+                for t in threads:
+                    t.join(max(0.0, args[0] - time.monotonic()))
+                conn.send([_report(nd) for nd in nodes if nd.index != args[1]])
+            elif cmd == "run":
+                with ThreadPoolExecutor(16) as pool:  # each opens two connections
+                    list(pool.map(lambda nd: nd.run_round(), nodes))
+                conn.send("ok")
+            elif cmd == "tally":
+                t = me.cpu_times()
+                conn.send((tally.snapshot(), t.user + t.system))
+            elif cmd == "kill":
+                for nd in nodes:
+                    if nd.index == args[0]:
+                        nd.die()
+                conn.send("ok")
+            elif cmd == "reform":  # every node but the dead one: notice, stop, join anew
+                deadline, min_nodes, dead = args
+                threads = in_threads([nd for nd in nodes if nd.index != dead], "reform", deadline, min_nodes)
+                conn.send("ok")
+            elif cmd == "close":
+                break
+    finally:
+        # The job is over: its sockets and threads end with this process. A graceful stop of
+        # a thousand threads on two cores costs minutes and measures nothing.
+        try:
+            conn.send("closed")
+        except OSError:
+            pass
+        os._exit(0)
+
+
+class Fleet:
+    """``n`` simulated nodes in ``ceil(n / PER_WORKER)`` forked workers."""
+
+    def __init__(self, backend: str, endpoint: str, cfg: RendezvousConfig, n: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        k = max(1, math.ceil(n / PER_WORKER))
+        self.pipes: list[Connection] = []
+        self.procs: list[Any] = []
+        for w in range(k):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(theirs, backend, endpoint, cfg, list(range(w, n, k))),
+                            daemon=True, name=f"elastictk-bench-scale-{w}")
+            p.start()
+            theirs.close()
+            self.pipes.append(mine)
+            self.procs.append(p)
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.procs]
+
+    def ask(self, *cmd: Any, timeout: float = 600) -> list[Any]:
+        for c in self.pipes:
+            c.send(cmd)
+        out = []
+        for c, p in zip(self.pipes, self.procs):
+            if not c.poll(timeout):
+                raise TimeoutError(f"worker {p.name} did not answer {cmd[0]!r} within {timeout:g}s")
+            out.append(c.recv())
+        return out
+
+    def reports(self, deadline: float, dead: int = -1) -> list[NodeReport]:
+        # A worker answers once its deadline has passed; one whose threads are still busy
+        # (a thousand nodes on two cores) gets a minute more to be heard.
+        return [r for rs in self.ask("joined", deadline, dead, timeout=deadline - time.monotonic() + 90) for r in rs]
+
+    def tally(self) -> tuple[Counter[str], float]:
+        calls: Counter[str] = Counter()
+        cpu = 0.0
+        for c, s in self.ask("tally"):
+            calls += c
+            cpu += s
+        return calls, cpu
+
+    def close(self) -> None:
+        for c in self.pipes:
+            try:
+                c.send(("close",))
+            except OSError:
+                pass
+        for c, p in zip(self.pipes, self.procs):
+            try:
+                c.poll(30) and c.recv()
+            except (OSError, EOFError):
+                pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            c.close()

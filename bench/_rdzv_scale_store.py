@@ -1,0 +1,178 @@
+"""The stores of the rendezvous scale benchmark: real servers in processes of their own, and a
+counter of the operations the simulated nodes send them.
+
+- TCPStore: torch's c10d server (libuv), started by ``elastictk.store.tcp.TCPStore.serve`` in
+  a child Python process, so psutil measures the server's CPU alone (in the benchmark's
+  process it would be mixed with a thousand client threads). It ends when its stdin closes:
+  with this process, also when this process is killed.
+- etcd: a real ``etcd`` (``elastictk.testing.etcd.EtcdServer``), its own process already.
+
+:class:`CountingStore` wraps each node's store client (and every clone of it: the heartbeat's,
+the membership watch's, the failure watch's) and counts the calls of elastictk's ``Store``
+interface each makes. One call can be more than one request on the wire (a TCPStore
+``try_get`` is a check and an atomic read; an etcd ``wait`` opens a watch stream), so the
+server's CPU is measured too.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import psutil
+
+from elastictk.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_SERVER = (
+    "import sys\n"
+    "from elastictk.store.tcp import TCPStore\n"
+    "s = TCPStore.serve('127.0.0.1', 0, timeout=600)\n"
+    "print(s.port, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+class Tally:
+    """Store calls by operation, shared by every client of one case (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+
+    def add(self, op: str) -> None:
+        with self._lock:
+            self.calls[op] += 1
+
+    def snapshot(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self.calls)
+
+
+class CountingStore(Store):
+    """``inner`` with every call counted in ``tally``; clones are counted in the same tally."""
+
+    def __init__(self, inner: Store, tally: Tally) -> None:
+        self.inner, self.tally = inner, tally
+
+    def set(self, key: str, value: bytes) -> None:
+        self.tally.add("set")
+        self.inner.set(key, value)
+
+    def try_get(self, key: str) -> bytes | None:
+        self.tally.add("get")
+        return self.inner.try_get(key)
+
+    def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
+        self.tally.add("multi_get")
+        return self.inner.multi_get(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self.tally.add("add")
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
+        self.tally.add("compare_set")
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete(self, key: str) -> bool:
+        self.tally.add("delete")
+        return self.inner.delete(key)
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        self.tally.add("wait")
+        self.inner.wait(keys, timeout)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        self.tally.add("keys")
+        return self.inner.keys(prefix)
+
+    def clone(self) -> "CountingStore":
+        self.tally.add("clone")
+        return CountingStore(self.inner.clone(), self.tally)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+@dataclass
+class Server:
+    """A running store server: how to reach it, its process, and how to stop it."""
+
+    backend: str
+    endpoint: str
+    pid: int
+    _stop: "subprocess.Popen[str] | object"
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU the server process has used so far."""
+        t = psutil.Process(self.pid).cpu_times()
+        return float(t.user + t.system)
+
+    def rss_mib(self) -> float:
+        return float(psutil.Process(self.pid).memory_info().rss) / 2**20
+
+    def connect(self, tally: Tally) -> CountingStore:
+        return connect(self.backend, self.endpoint, tally)
+
+    def close(self) -> None:
+        stop = self._stop
+        if isinstance(stop, subprocess.Popen):
+            if stop.stdin is not None:
+                stop.stdin.close()  # the server's cue to exit
+            try:
+                stop.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                stop.kill()
+                stop.wait()
+            if stop.stdout is not None:
+                stop.stdout.close()
+        else:
+            stop.close()  # type: ignore[attr-defined]  # an EtcdServer
+
+
+def connect(backend: str, endpoint: str, tally: Tally) -> CountingStore:
+    """A new client of a server (one node's own connection), counted in ``tally``."""
+    if backend == "tcp":
+        from elastictk.store.tcp import TCPStore
+
+        return CountingStore(TCPStore.connect(endpoint, timeout=120), tally)
+    from elastictk.store.etcd import EtcdStore
+
+    return CountingStore(EtcdStore(endpoint, timeout=120), tally)
+
+
+def start(backend: str, tmp: str) -> Server:
+    """A fresh server for one case: ``tcp`` or ``etcd``."""
+    if backend == "tcp":
+        proc = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if not line.isdigit():
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the TCPStore server did not start (it printed {line!r})")
+        return Server("tcp", f"127.0.0.1:{line}", proc.pid, proc)
+    from elastictk.testing.etcd import EtcdServer
+
+    etcd = EtcdServer(base_dir=tmp).start()
+    assert etcd.pid is not None
+    return Server("etcd", str(etcd.endpoint), etcd.pid, etcd)
+
+
+def cpu_window(server: Server, seconds: float) -> tuple[float, float]:
+    """The server's CPU seconds per second over a window of ``seconds`` (and the window)."""
+    c0, t0 = server.cpu_seconds(), time.monotonic()
+    time.sleep(seconds)
+    c1, t1 = server.cpu_seconds(), time.monotonic()
+    return (c1 - c0) / (t1 - t0), t1 - t0

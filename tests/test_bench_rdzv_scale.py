@@ -1,0 +1,97 @@
+"""``python -m bench rendezvous --scale``: its verdicts can fail, and its quick mode runs.
+
+The verdicts are pure functions of the measured numbers (``bench/_rdzv_scale_fit.py``), so they
+are attacked at unit level with planted curves: a quadratic load, one that turns quadratic
+only at the top of the range, a round that formed too slowly. One end-to-end run of
+``--quick`` (TCPStore and etcd, simulated nodes in forked workers) checks that the numbers it
+reports are the protocol's: a heartbeat per interval per node, a lost node noticed no sooner
+than its heartbeat timeout allows, every survivor in a new round without it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench._rdzv_scale import QUICK, verdicts
+from bench._rdzv_scale_fit import MAX_EXPONENT, exponent, formed_within, linear_growth
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [8, 32, 128, 512, 1024]
+
+
+def test_the_exponent_of_a_power_law_is_its_power() -> None:
+    assert exponent(SIZES, [3.0 * n for n in SIZES]) == pytest.approx(1.0)
+    assert exponent(SIZES, [0.5 * n * n for n in SIZES]) == pytest.approx(2.0)
+    for bad in ([1.0], [0.0, 1.0], [float("nan"), 1.0]):
+        with pytest.raises(ValueError):
+            exponent(list(range(1, len(bad) + 1)), bad)
+    with pytest.raises(ValueError):
+        exponent([8, 8], [1.0, 2.0])
+
+
+def test_a_linear_load_passes_and_a_quadratic_one_fails() -> None:
+    linear = linear_growth("calls/s", SIZES, [7.3 * n + 20 for n in SIZES])
+    assert linear.passed is True and "exponent 0.98" in linear.measured
+    quadratic = linear_growth("calls/s", SIZES, [7.3 * n + 0.01 * n * n for n in SIZES])
+    assert quadratic.passed is False and quadratic.word == "FAIL"
+    # Linear up to 512 nodes, then four times the load for twice the nodes: the top pair flags it.
+    late = [7.3 * n for n in SIZES[:-1]] + [4 * 7.3 * 512]
+    assert exponent(SIZES[1:], late[1:]) <= MAX_EXPONENT  # the whole-range fit alone would miss it
+    assert linear_growth("calls/s", SIZES, late).passed is False
+
+
+def test_too_few_sizes_is_unknown_never_a_pass() -> None:
+    v = linear_growth("calls/s", [8, 32], [58.0, 230.0])  # one size from 32 nodes on
+    assert v.passed is None and v.word == "UNKNOWN"
+    assert linear_growth("calls/s", SIZES, [None] * len(SIZES)).passed is None
+
+
+def test_the_formation_target() -> None:
+    assert formed_within("TCPStore", 1024, 1.4, 2.0).passed is True
+    assert formed_within("TCPStore", 1024, 2.0, 2.0).passed is False
+    assert formed_within("TCPStore", 1024, None, 2.0).passed is None
+    planted = [{"backend": "tcp", "nodes": n, "form_first_rank_s": 0.001 * n, "form_s": 0.002 * n,
+                "steady_calls_per_s": 7.0 * n, "steady_server_cpu": 0.0002 * n * n} for n in SIZES]
+    formed = [v.passed for v in verdicts(planted) if "round" in v.target]
+    assert formed == [True, False]  # closed in the store after 1.024 s; every node after 2.048 s
+    assert [v.passed for v in verdicts(planted) if "TCPStore" in v.target and "grows" in v.target] == [True, False]
+
+
+def test_a_window_whose_nodes_lagged_is_left_out_of_the_fit() -> None:
+    """A quadratic curve hidden by clients that could not keep up is unknown, not a pass."""
+    cases = [{"backend": "tcp", "nodes": n, "steady_calls_per_s": 0.01 * n * n, "steady_server_cpu": 0.001 * n,
+              "steady_calls_per_node_s": {"add": 1.0}} for n in SIZES]
+    assert [v.passed for v in verdicts(cases) if "TCPStore: store calls" in v.target] == [False]
+    for c in cases[2:]:
+        c["steady_calls_per_node_s"] = {"add": 0.5}  # half the heartbeats: the nodes set the pace
+    assert [v.passed for v in verdicts(cases) if "TCPStore: store calls" in v.target] == [None]
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists(), reason="no etcd")
+def test_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "rendezvous", "--scale", "--quick", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cases = {(c["backend"], c["nodes"]): c for c in result["cases"]}
+    assert set(cases) == {(b, n) for b, sizes in QUICK.sizes.items() for n in sizes}
+    for (backend, n), c in cases.items():
+        assert "error" not in c, c
+        assert 0 < c["form_first_rank_s"] <= c["form_s"] < QUICK.form_cap
+        per = c["steady_calls_per_node_s"]
+        # one heartbeat per interval per node; a membership watch's successors read per interval
+        assert per["add"] == pytest.approx(1 / QUICK.heartbeat_interval, rel=0.25), (backend, n, per)
+        assert per["multi_get"] == pytest.approx(1 / QUICK.heartbeat_interval, rel=0.3), (backend, n, per)
+        # a silent node is lost no sooner than its timeout (less the beat it may have just sent)
+        assert QUICK.heartbeat_timeout - QUICK.heartbeat_interval <= c["lost_noticed_s"] <= c["reformed_s"]
+        assert c["reformed_s"] < QUICK.heartbeat_timeout + QUICK.reform_cap
+        assert c["steady_server_cpu"] >= 0 and c["server_rss_mib"] > 0
+    # Two sizes from 32 nodes on are needed for a growth verdict: the quick run has fewer.
+    assert {v["verdict"] for v in result["verdicts"]} == {"UNKNOWN"}
+    assert "| TCPStore | 32 |" in r.stdout

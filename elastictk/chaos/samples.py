@@ -102,7 +102,7 @@ def final_history(lines: Sequence[Line]) -> list[Line]:
     kept: list[Line] = []
     for run in dict.fromkeys(x.run for x in lines):  # in the order the runs first wrote
         mine = [x for x in lines if x.run == run]
-        if kept:  # this attempt resumed at the step before its first batch (or at its first end)
+        if kept:  # this run resumed at the step before its first batch (or at its first end)
             resumed = min(x.step - 1 if x.kind == "batch" else x.step for x in mine)
             kept = [x for x in kept if x.step <= resumed]
         kept += mine

@@ -24,10 +24,10 @@ Probe = Callable[[Endpoint, float], "tuple[str | None, bool]"]
 
 
 def wait_for_store(endpoint: Endpoint, seconds: float, say: Callable[[str], None],
-                   probe: Probe = probe_store) -> str | None:
+                   probe: Probe = probe_store, setting: str = "--rdzv-conf read_timeout") -> str | None:
     """``None`` once a TCPStore answers at ``endpoint``; else why not, at once for an answer
     that is not a TCPStore's, after ``seconds`` for a connect that nothing takes. Says once
-    that it waits, if it has to."""
+    that it waits, if it has to (naming ``setting``, what sets ``seconds``)."""
     deadline = time.monotonic() + seconds
     said = False
     while True:
@@ -39,6 +39,6 @@ def wait_for_store(endpoint: Endpoint, seconds: float, say: Callable[[str], None
             return reason
         if not said:
             say(f"waiting up to {seconds:g}s for the store at {endpoint} (its node's agent starts "
-                f"it; --rdzv-conf read_timeout): {reason}")
+                f"it; {setting}): {reason}")
             said = True
         time.sleep(min(RETRY, left))

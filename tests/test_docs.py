@@ -3,7 +3,9 @@
 - Every ```python block runs, in a fresh temp dir, as a script of its own (or under the command
   of a ``<!-- run: ... -->`` comment right above it, e.g. ``elastictk-run ... {file}``), unless
   a ``<!-- not run: why -->`` comment says why not; ``<!-- needs: etcd -->`` runs it only where
-  the binary is installed (``make test`` installs it).
+  the binary is installed (``make test`` installs it). A block under ``<!-- excerpt: PATH -->``
+  is part of a file the suite runs: each of its lines (but ``...`` and comments) is a line of
+  PATH, in the file's order, so the excerpt cannot drift from what runs.
 - Every ``elastictk-run``/``elastictk-chaos`` command line in a shell block parses; every
   ``$ command`` in a ```console block runs and prints what the block shows.
 - Every ``--flag`` in docs/launcher.md's text is in ``elastictk-run --help`` or is refused as the
@@ -156,6 +158,9 @@ def skip_reason(block: Block) -> str | None:
     why = block.note("not run")
     if why is not None:
         return f"not run: {why}"
+    source = block.note("excerpt")
+    if source is not None:
+        return f"an excerpt of {source}, checked by test_excerpts_are_lines_of_their_file"
     needs = block.note("needs")
     if needs is not None and not installed(needs):
         return f"{needs} is not installed here"
@@ -197,6 +202,44 @@ def test_python_example_runs(block: Block, examples_ran: dict[str, Ran]) -> None
     assert r.returncode is not None, f"{block.id}: `{r.command}` did not finish in {BLOCK_TIMEOUT}s: {r.stderr[-3000:]}"
     assert r.returncode == 0, (f"{block.id}: `{r.command}` exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}"
                                f"\n--- stderr\n{r.stderr[-5000:]}")
+
+
+def _code_line(line: str) -> str:
+    """A line without its comment and with its spaces collapsed (a comment's column may differ)."""
+    return " ".join(re.sub(r"\s+#.*$|^\s*#.*$", "", line).split())
+
+
+def excerpt_misses(text: str, source: str) -> list[str]:
+    """The block's code lines that are not lines of ``source`` in order; ``...`` marks an elision."""
+    have = [_code_line(x) for x in source.splitlines()]
+    at, missing = 0, []
+    for raw in text.splitlines():
+        line = _code_line(raw)
+        if not line or "..." in line:
+            continue
+        try:
+            at = have.index(line, at) + 1
+        except ValueError:
+            missing.append(raw)
+    return missing
+
+
+EXCERPTS = [b for b in PYTHON_BLOCKS if b.note("excerpt") is not None]
+
+
+@pytest.mark.parametrize("block", EXCERPTS, ids=lambda b: b.id)
+def test_excerpts_are_lines_of_their_file(block: Block) -> None:
+    name = str(block.note("excerpt")).split(" ")[0]  # what follows the path is for the reader
+    assert (ROOT / name).is_file(), f"{block.id}: <!-- excerpt: {name} --> names no file"
+    missing = excerpt_misses(block.text, (ROOT / name).read_text())
+    assert not missing, f"{block.id}: not lines of {name} (in its order): {missing}"
+
+
+def test_the_excerpt_check_sees_drift() -> None:
+    source = "a = 1\nb = f(a)  # why\nc = 3\n"
+    assert excerpt_misses("a = 1\n...\nc = 3   # other words\n", source) == []
+    assert excerpt_misses("a = 2\n", source) == ["a = 2"]
+    assert excerpt_misses("c = 3\na = 1\n", source) == ["a = 1"]  # out of the file's order
 
 
 def test_blocks_not_run_are_rare_and_say_why() -> None:

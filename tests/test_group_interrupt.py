@@ -13,6 +13,7 @@ import pytest
 from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.group import StartInterrupted, WorkerGroup
 from elastictk.supervisor.spec import WorkerSpec
+from tests.helpers.procs import cmdline
 
 WORKERS = 24
 
@@ -56,7 +57,7 @@ def test_a_group_interrupted_before_start_starts_nothing(tmp_path: Path) -> None
         with pytest.raises(StartInterrupted, match="after 0 of 2"):
             g.start(0, _assignment(2))
         assert g.pids() == {} and g.running == []
-    assert not [c for c in me.children() if "time.sleep(60)" in " ".join(c.cmdline())]
+    assert not [c for c in me.children() if "time.sleep(60)" in cmdline(c)]
 
 
 def test_without_an_interrupt_every_worker_starts(tmp_path: Path) -> None:

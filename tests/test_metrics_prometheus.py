@@ -205,11 +205,13 @@ def run_failing_job(tmp_path: Path, port: int, linger: str) -> tuple[subprocess.
             "--log-dir", str(tmp_path / "logs"), str(script)]
     env = {k: v for k, v in os.environ.items() if k != "ELASTICTK_METRICS_SHM"}
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=ROOT, env=env, text=True, capture_output=True, timeout=120)
+    done = subprocess.run(argv, cwd=ROOT, env=env, text=True, capture_output=True, timeout=180)
     return done, time.monotonic() - started
 
 
-@pytest.mark.parametrize("linger", ["20", "0"], ids=["lingers", "no-linger"])
+# 90 s: far beyond a loaded machine's job start (the time measured includes it), so a wait that
+# ended at --metrics-linger instead of the first scrape is told apart from a slow start.
+@pytest.mark.parametrize("linger", ["90", "0"], ids=["lingers", "no-linger"])
 def test_failed_job_fires_the_shipped_alert(tmp_path: Path, prometheus_binary: str, linger: str) -> None:
     """A real elastictk-run job that fails, scraped by a real Prometheus with the shipped rules:
     the exporter stays up until a scrape has seen state="failed", and ElastictkJobFailed fires.
@@ -225,8 +227,8 @@ def test_failed_job_fires_the_shipped_alert(tmp_path: Path, prometheus_binary: s
             assert prom.value(f"max_over_time({alert}[5m])") is None
             return
         (line,) = [x for x in done.stderr.splitlines() if "until one scrape" in x]
-        assert f"127.0.0.1:{port}" in line and "at most 20s" in line and "Ctrl-C" in line
-        assert took < 20, "the wait should end at the first scrape, not at --metrics-linger"
+        assert f"127.0.0.1:{port}" in line and "at most 90s" in line and "Ctrl-C" in line
+        assert took < 90, "the wait should end at the first scrape, not at --metrics-linger"
         fired = prom.wait_for(f"max_over_time({alert}[5m])", lambda v: v == 1)
         assert fired == 1
         (series,) = prom.query(f"max_over_time({alert}[5m])")

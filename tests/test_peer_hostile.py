@@ -77,6 +77,28 @@ def _honest_round_trip(port: int) -> float:
     return time.monotonic() - t0
 
 
+def test_close_waits_for_a_connection_thread_that_is_ending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection thread past its own cleanup but not yet ended is still joined by close() (it
+    once left the set of threads to join in its cleanup, and close() returned while it ran)."""
+    serve = PeerServer._serve
+    ended = threading.Event()
+
+    def slow_end(self: PeerServer, conn: socket.socket, who: str) -> None:
+        serve(self, conn, who)
+        ended.set()
+        time.sleep(1.0)  # the last lines of a thread on a loaded machine
+
+    monkeypatch.setattr(PeerServer, "_serve", slow_end)
+    s = PeerServer("127.0.0.1", Replicas(1 << 20), TOKEN, JOB, handshake_timeout=1.0)
+    try:
+        socket.create_connection(("127.0.0.1", s.port)).close()  # a stranger that hangs up at once
+        assert ended.wait(10)
+    finally:
+        s.close()
+        s.replicas.close()
+    assert _threads() == [], "close() returned before a connection thread ended"
+
+
 # -- strangers before the handshake ------------------------------------------------------------------
 def test_idle_and_trickling_strangers_neither_starve_an_honest_peer_nor_pile_up(server: PeerServer) -> None:
     socks: list[socket.socket] = []

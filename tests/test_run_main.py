@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.procs import cmdline
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CALLER = """
@@ -119,7 +121,7 @@ def test_sigterm_raises_signal_exception(tmp_path: Path) -> None:
         # the worker, not a fork of the caller that has not exec'd yet (its argv names sleep.py too)
         while time.monotonic() < deadline and not any(
                 "sleep.py" in cmd and "caller.py" not in cmd
-                for cmd in (" ".join(c.cmdline()) for c in me.children(recursive=True))):
+                for cmd in (cmdline(c) for c in me.children(recursive=True))):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)

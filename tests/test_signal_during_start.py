@@ -12,8 +12,11 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.procs import cmdline
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 200  # starting them all takes many seconds here; the test waits for the first few
+
 
 
 def test_sigterm_while_the_group_starts_stops_it_at_once(tmp_path: Path) -> None:
@@ -31,7 +34,7 @@ def test_sigterm_while_the_group_starts_stops_it_at_once(tmp_path: Path) -> None
         me = psutil.Process(agent.pid)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until a few workers run
-            kids = [c for c in me.children(recursive=True) if "w.py" in " ".join(c.cmdline())]
+            kids = [c for c in me.children(recursive=True) if "w.py" in cmdline(c)]
             seen.update(c.pid for c in kids)
             if len(kids) >= 3:
                 break

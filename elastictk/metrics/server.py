@@ -208,6 +208,9 @@ class MetricsServer:
                     busy = True
                 else:
                     self._conns.add(conn)
+                    # Ended threads leave the set here, not in their own finally: close() joins
+                    # a thread that is past its cleanup but still running.
+                    self._threads = {x for x in self._threads if x.is_alive()}
                     self._threads.add(t)
         if busy:
             log.debug("metrics http: %d responses in flight, answering 503", self.max_connections)
@@ -239,7 +242,6 @@ class MetricsServer:
         finally:
             with self._lock:  # removed before closing: close() shuts down only live sockets
                 self._conns.discard(conn)
-                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _respond(self, head: bytes) -> bytes:

@@ -110,6 +110,9 @@ class PeerServer:
                     oldest.shutdown(socket.SHUT_RDWR)  # its thread wakes, closes it and ends
                 except OSError:
                     pass
+            # Ended threads leave the set here, not in their own finally: one that discarded itself
+            # there still ran its last lines, and close() returned before it ended.
+            self._threads = {x for x in self._threads if x.is_alive()}
             t = threading.Thread(target=self._serve, args=(conn, who), name="elastictk-peer-conn", daemon=True)
             try:
                 t.start()  # under the lock: close() never misses a thread it must join
@@ -157,7 +160,6 @@ class PeerServer:
             with self._lock:
                 self._pending.pop(conn, None)
                 self._peers.discard(conn)
-                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _request(self, conn: socket.socket, req: dict[str, object], who: str) -> None:

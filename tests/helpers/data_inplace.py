@@ -39,25 +39,25 @@ def main() -> None:
     torch.manual_seed(1234 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ds = Numbers(a.samples)
-    sampler = ElasticSampler(ds, seed=7, batch_size=a.batch)
-    loader = DataLoader(ds, batch_size=a.batch, sampler=sampler, num_workers=2)
+    dataset, epochs = Numbers(a.samples), a.epochs
+    sampler = ElasticSampler(dataset, seed=7, batch_size=a.batch)
+    loader = DataLoader(dataset, batch_size=a.batch, sampler=sampler, num_workers=2)
     state = State(model=model, optimizer=opt, sampler=sampler, step=0)
     held: dict[str, Any] = {}
 
     def batches() -> Iterator[Any]:
-        while sampler.epoch < a.epochs:
+        while sampler.epoch < epochs:
             yield from loader                       # follows a rollback inside the epoch
             sampler.set_epoch(sampler.epoch + 1)    # the epoch the loader just ended, plus one
 
     feed = batches()
 
-    def on_join(state: State, ctx: Context) -> None:
-        held["ddp"] = DDP(model)
+    def on_join(state: State, ctx: Context) -> None:  # on every group formation
+        held["ddp"] = DDP(model)                      # DDP holds the group it was made with
 
     def done(state: State) -> bool:
-        last = a.epochs - 1
-        return sampler.epoch > last or (sampler.epoch == last and sampler.position >= a.samples)
+        last = epochs - 1
+        return sampler.epoch > last or (sampler.epoch == last and sampler.position >= len(dataset))
 
     def train_step(state: State, ctx: Context) -> None:
         idx, x, y = next(feed)

@@ -378,7 +378,8 @@ def _first_start_after(path: Path, wall: float) -> str:
 
 
 def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
-    """3 test hosts, --nnodes 2:2 (host 2 a spare); host 1 killed whole at step >= 10."""
+    """3 test hosts, --nnodes 2:2 (host 2 a spare); host 1 killed whole at step 10, where the
+    ranks hold until the test says go (a loaded machine starts the spare slowly)."""
     import subprocess
     import sys
 
@@ -430,6 +431,7 @@ def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
         assert _holds_memfd(tree), "the agent holds its snapshot memory"
         agent = next(p for p in sorted(tree) if "elastictk.run" in " ".join(procfs_cmdline(p)))
         os.kill(agent, signal.SIGKILL)  # the agent; its workers die with it: the host is gone
+        (out / "go").touch()  # the ranks held after step 10 (peer_train.py) until the host was lost
         _wait(lambda: _holds_memfd(tree) == [], timeout=30)
         after: set[str] = set()
         if "peer" in tiers:  # the spare trains and ships rank 1's parts: the lost node's are dropped

@@ -6,7 +6,8 @@ host's rank) seeds it randomly, so only a restore can give the fault-free weight
 writes its last step to ``OUT/step-<rank>`` (the test kills a host once both passed a step),
 rank 0 writes the final weights to ``OUT/weights.pt``, and every start of a rank appends the
 step it restored to ``OUT/restored-<rank>`` (a job may restart more than once under load: the
-test reads the first start after its fault).
+test reads the first start after its fault). Every rank holds after step 10 until ``OUT/go``
+exists: the test kills a host there, whatever the machine's load, before the job can end.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from elastictk import State
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
+HOLD = 10
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 marker = out / f"started-{rank}"
@@ -45,6 +47,8 @@ while state.step < steps:
     state.commit()
     (out / f"step-{rank}.tmp").write_text(str(state.step))
     os.replace(out / f"step-{rank}.tmp", out / f"step-{rank}")
+    while state.step == HOLD and not (out / "go").exists():
+        time.sleep(0.05)
     time.sleep(0.15)
 if rank == 0:
     torch.save([p.detach().clone() for p in model.parameters()], out / "weights.pt")

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
     if not _hosts_resolve(config, raises=not exits):
         return 2
     _setup_logging()
-    from .agent.launch import start_preload  # before torch: the server's import overlaps ours
+    from .agent.launch import start_preload  # before any thread: the server is forked from here
 
     server = start_preload(config)
     try:

@@ -44,8 +44,10 @@ import struct
 import subprocess
 import sys
 import time
-from ..lifetime.ready import readable
 from typing import Any, Mapping, Optional, Sequence
+
+from ..lifetime.ready import readable
+from .forkstart import ForkedChild, can_fork, fork_server
 
 DEFAULT_PRELOAD = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
                    "elastictk.inplace.loop", "elastictk.faults")  # what replacement workers import
@@ -486,7 +488,8 @@ class PreloadServer:
         self.job = job  # shown in the server's process title
         self.ready_timeout = ready_timeout
         self.request_timeout = request_timeout
-        self._proc: Optional[subprocess.Popen[bytes]] = None
+        self._proc: Optional[subprocess.Popen[bytes] | ForkedChild] = None
+        self.how = ""  # how start() made the server: "forked" or "a fresh interpreter (why)"
         self._sock: Optional[socket.socket] = None
         self._ready: Optional[dict[str, Any]] = None
         self.last_from_standby = False  # whether the last spawn promoted the standby
@@ -499,7 +502,10 @@ class PreloadServer:
         """The owner's end of the control socket (a fork-started worker must close it)."""
         return self._sock.fileno() if self._sock is not None else None
 
-    def start(self) -> None:
+    def start(self, fork: bool = False) -> None:
+        """Start the server. ``fork``: fork this process instead of starting a fresh interpreter
+        when that is safe (:mod:`.forkstart`), so the modules imported here are not imported
+        again; ``how`` then says which it was."""
         if self._proc is not None:
             return
         from ..lifetime.reaper import claim_child, dies_with_caller
@@ -507,13 +513,20 @@ class PreloadServer:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         code = ("import sys; from elastictk.supervisor.forkserver import serve; "
                 "serve(int(sys.argv[1]), sys.argv[3:], sys.argv[2] or None)")
+        why_not = can_fork() if fork else "not asked to"
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(theirs.fileno()), self.job or "", *self.preload],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
-                start_new_session=True,
-                preexec_fn=dies_with_caller(),
-            )
+            if why_not is None:
+                ctl, preload, job = theirs.fileno(), self.preload, self.job
+                self._proc = fork_server(lambda: serve(ctl, preload, job), ctl, mine.fileno())
+                self.how = "forked"
+            else:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", code, str(theirs.fileno()), self.job or "", *self.preload],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
+                    start_new_session=True,
+                    preexec_fn=dies_with_caller(),
+                )
+                self.how = f"a fresh interpreter ({why_not})"
         finally:
             theirs.close()
         claim_child(self._proc.pid)  # its owner waits for it, never the orphan sweep

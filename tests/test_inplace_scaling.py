@@ -92,7 +92,10 @@ class Job:
         return outs
 
     def outputs(self) -> str:
-        return " | ".join(f"agent {i} rc={a.poll()}" for i, a in enumerate(self.agents))
+        """Each agent's exit code and its last events (what it was doing when a wait ran out)."""
+        return " | ".join(f"agent {i} rc={a.poll()} last events: "
+                          + ", ".join(f"{e['kind']} {e.get('fields', {})}" for e in self.kinds(i)[-6:])
+                          for i, a in enumerate(self.agents))
 
     def close(self) -> None:
         for a in self.agents:

@@ -15,7 +15,7 @@ from elastictk.agent.inplace import spend_restart
 from elastictk.agent.policy import RestartPolicy
 from elastictk.rendezvous import RendezvousHandler
 from elastictk.store import FileStore, free_port
-from tests.test_inplace_scaling import Job, check_samples, close_to, fault_free, final_weights
+from tests.test_inplace_scaling import CONF, Job, check_samples, close_to, fault_free, final_weights
 from tests.test_rendezvous import fast
 
 TOKEN = "s3cret-token"
@@ -47,12 +47,17 @@ def test_the_inplace_charge_is_sealed_and_a_forged_reset_is_not_believed(tmp_pat
 
 def test_two_nodes_with_a_token_recover_in_place_twice_then_lose_a_node(tmp_path: Path) -> None:
     os.environ["ELASTICTK_RDZV_TOKEN"] = TOKEN  # inherited by both agents (not by their workers)
-    job = Job(tmp_path, "1:2", steps=60, restarts=5)
+    # The crashes are planned for ranks 0 and 1 of a 2-node first round: with --nnodes 1:2 and
+    # a 1 s last call, a loaded machine started the second agent late and the first trained alone
+    # (8 s: the second agent's start on a loaded machine; the survivor waits it once more, alone).
+    job = Job(tmp_path, "1:2", steps=60, restarts=5, conf=CONF.replace("last_call_timeout=1", "last_call_timeout=8"))
     try:
         crash = ("--crash", "5:0", "--crash", "12:1")  # one worker on each node, once each
         job.start(*crash)
         job.start(*crash)
         job.wait_step(22, timeout=240)
+        assert [e["fields"]["world"] for e in job.kinds(0) if e["kind"] == "round_joined"][:1] == [2], \
+            "both nodes are in the first round"
         survivor = 0 if job.round_rank(0) == 0 else 1
         victim = job.agents[1 - survivor]
         victim.send_signal(signal.SIGKILL)

@@ -88,7 +88,8 @@ def test_sigterm_while_waiting_for_other_nodes_ends_the_agent_at_once(tmp_path: 
             agent.kill()
             agent.communicate()
     assert agent.returncode == 128 + signal.SIGTERM, err
-    assert took < 3.0, f"the agent waited {took:.1f}s for the round after SIGTERM"
+    # Against the join timeout's 600 s: a loaded machine took 4.5 s to end a Python process.
+    assert took < 15.0, f"the agent waited {took:.1f}s for the round after SIGTERM"
 
 
 def test_sigterm_during_the_restart_backoff_ends_the_agent_at_once(tmp_path: Path) -> None:

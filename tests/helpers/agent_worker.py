@@ -21,6 +21,21 @@ import elastictk
 
 
 @elastictk.record
+def _wait_for_the_attempts_starts(out: str, restart: int) -> None:
+    """Fail only once every worker of this attempt recorded its start (at most 30 s): on a loaded
+    machine a peer still starting was stopped by the failure before it wrote its line."""
+    world, deadline = int(os.environ["WORLD_SIZE"]), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(out, "starts.jsonl")) as f:
+                started = [json.loads(x) for x in f if x.strip()]
+        except OSError:
+            started = []
+        if sum(s.get("TORCHELASTIC_RESTART_COUNT") == str(restart) for s in started) >= world:
+            return
+        time.sleep(0.02)
+
+
 def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -57,7 +72,7 @@ def main() -> None:
     for spec in fails:
         at, who, how = spec.split(":", 2)
         if int(at) == restart and int(who) == rank:
-            time.sleep(0.1)
+            _wait_for_the_attempts_starts(out, restart)
             if how == "exc":
                 raise ValueError(f"injected failure on rank {rank}")
             if how.startswith("exit:"):

@@ -52,8 +52,8 @@ docs: install
 
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
 # Three test processes (pytest-xdist) on two cores, each taking whole files: measured over the whole
-# suite, its tests use 1,515 s of CPU in 1,993 s of wall time (they wait on heartbeats, timeouts and
-# real daemons), so two processes left the cores idle a quarter of the time.
+# suite, its tests use about 1,450-1,550 s of CPU in 900-960 s of wall time with three (they wait on
+# heartbeats, timeouts and real daemons), so two processes left the cores idle a quarter of the time.
 TEST_WORKERS ?= 3
 test: install debs check
 	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \

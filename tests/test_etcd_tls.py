@@ -349,3 +349,31 @@ def test_elastictk_run_unusable_file_exits_2(tmp_path: Path, url: str, certs: Te
              f"cacert={certs.ca},cert={certs.client_cert},key={garbage}")
     assert r.returncode == 2, r.stderr[-3000:]
     _error_line(r, "--rdzv-conf", str(garbage), "matching unencrypted private key")
+
+
+def test_a_port_that_resets_a_client_hello_does_not_speak_tls() -> None:
+    """A plain server that resets the connection on TLS bytes (a loaded etcd did) is told apart
+    from one that cannot be reached: it was "cannot be told" and the one-line error lost its fix."""
+    import socket
+    import struct
+    import threading
+
+    from elastictk.store.etcd_http import speaks_tls
+    from elastictk.store.endpoint import Endpoint
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reset_one() -> None:
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+        conn.close()
+
+    t = threading.Thread(target=reset_one)
+    t.start()
+    try:
+        assert speaks_tls(Endpoint("127.0.0.1", port), 5.0) is False
+    finally:
+        t.join(10)
+        listener.close()

@@ -132,12 +132,17 @@ def speaks_tls(endpoint: Endpoint, timeout: float) -> bool | None:
     except ssl.SSLWantReadError:
         pass
     try:
-        with socket.create_connection((endpoint.host, endpoint.port),
-                                      timeout=max(timeout, 0.01)) as sock:
-            sock.sendall(outgoing.read())
-            first = sock.recv(5)
+        sock = socket.create_connection((endpoint.host, endpoint.port), timeout=max(timeout, 0.01))
     except OSError:
         return None
+    with sock:
+        try:
+            sock.sendall(outgoing.read())
+            first = sock.recv(5)
+        except (ConnectionResetError, BrokenPipeError):  # reset on a ClientHello: no TLS there
+            return False
+        except OSError:
+            return None
     return len(first) > 0 and first[0] in (0x15, 0x16)  # a TLS alert or handshake record
 
 

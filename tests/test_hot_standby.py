@@ -239,6 +239,7 @@ def test_in_place_recovery_resumes_on_the_standby_and_the_job_leaves_none(tmp_pa
     refilled = [n["pid"] for n in notes if n["what"] == "refilled"]
     joins = {(n["gen"], n["rank"]): n for n in notes if n["what"] == "join"}
     assert standby and standby[0] is not None, out[-3000:]
+    assert (1, 1) in joins, f"joins (generation, rank): {sorted(joins)}\n{out[-3000:]}"
     new = joins[(1, 1)]
     assert new["pid"] == standby[0], "the replacement is the standby process"
     assert joins[(1, 0)]["pid"] == joins[(0, 0)]["pid"] != new["pid"]

@@ -20,7 +20,6 @@ import time
 import elastictk
 
 
-@elastictk.record
 def _wait_for_the_attempts_starts(out: str, restart: int) -> None:
     """Fail only once every worker of this attempt recorded its start (at most 30 s): on a loaded
     machine a peer still starting was stopped by the failure before it wrote its line."""
@@ -36,6 +35,7 @@ def _wait_for_the_attempts_starts(out: str, restart: int) -> None:
         time.sleep(0.02)
 
 
+@elastictk.record
 def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])

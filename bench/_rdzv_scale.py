@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-from .common import RESULTS_DIR, fmt, loadavg, machine_info, now_text, write_atomic
+from .common import RESULTS_DIR, fmt, loadavg, machine_info, now_text, raise_fd_limit, write_atomic
 from ._rdzv_scale_fit import Verdict, formed_within, linear_growth
 
 NAME = "rendezvous_scale"
@@ -76,16 +75,6 @@ class ScaleError(RuntimeError):
 
 def _log(start: float, msg: str) -> None:
     print(f"[{time.monotonic() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _raise_fd_limit(nodes: int) -> int:
-    """A node holds four store connections (and etcd opens one per wait): sockets add up."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 12 * nodes + 1024
-    if soft != resource.RLIM_INFINITY and soft < need:
-        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return int(soft)
 
 
 def _check_round(reports: Sequence[Any], world: int, where: str) -> int:
@@ -303,7 +292,8 @@ NOTES = [
 
 
 def run(plan: Plan, quick: bool, log: Any, save: Any = None) -> dict[str, Any]:
-    fd_limit = _raise_fd_limit(max(max(s) for s in plan.sizes.values()))
+    # A node holds four store connections (and etcd opens one per wait): sockets add up.
+    fd_limit = raise_fd_limit(12 * max(max(s) for s in plan.sizes.values()) + 1024)
     machine = machine_info()
     machine["loadavg_at_start"] = loadavg()
     stack = threading.stack_size(512 * 1024)  # thousands of threads: small stacks

@@ -32,7 +32,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import resource
 import statistics
 import time
 import uuid
@@ -40,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from . import _forked
-from .common import BenchError, BenchResult, Comparison, Measured, RunConfig
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, raise_fd_limit
 
 TITLE = "Rendezvous: K node processes form one round, elastictk vs torch"
 
@@ -298,17 +297,6 @@ def _connect_note(rows: list[Comparison]) -> str:
     return note
 
 
-def _raise_fd_limit(k: int) -> int:
-    """Each node holds a few pipes and sockets and the server one socket per client."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 16 * k + 1024
-    if soft != resource.RLIM_INFINITY and soft < need:
-        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        soft = new
-    return soft
-
-
 def run(cfg: RunConfig) -> BenchResult:
     plans = QUICK if cfg.quick else FULL
     # Import both sides once, here: every forked node and server inherits them.
@@ -319,7 +307,8 @@ def run(cfg: RunConfig) -> BenchResult:
     import elastictk.rendezvous  # noqa: F401
     import elastictk.store.tcp  # noqa: F401
 
-    fd_limit = _raise_fd_limit(max(p.k for p in plans))
+    # Each node holds a few pipes and sockets and the server one socket per client.
+    fd_limit = raise_fd_limit(16 * max(p.k for p in plans) + 1024)
     rows: list[Comparison] = []
     pids: list[int] = []
     t0 = time.monotonic()

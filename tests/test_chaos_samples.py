@@ -164,6 +164,24 @@ def test_no_records_or_no_finished_epoch_is_unknown_and_says_why() -> None:
     assert "without State.restore() and outside run_elastic" in samples.judge([lost]).detail
 
 
+def test_an_unknown_data_verdict_fails_the_reports_check() -> None:
+    """The report's data check passes only on a verdict of True: a run whose only data record is
+    "off" (the dataset too big to record) has no evidence, so its check fails, shown [BROKEN]."""
+    from elastictk.chaos import report
+    from elastictk.chaos.runner import RunRecord
+    from elastictk.faults import plan_of
+
+    off = {"data": "off", "rank": 0, "why": "the dataset has 70000 samples, more than the 65536 recorded"}
+    rec = RunRecord(argv=[], started=0.0, ended=1.0, exit_code=0, data=[off])
+    plan = plan_of([])
+    rows = report.fault_rows(plan, rec)
+    checks = report.check(plan, rec, rows, max_restarts=0)
+    (data,) = [c for c in checks if c.name == samples.NAME]
+    assert not data.ok and data.detail.startswith("unknown: rank 0 recorded no batches")
+    text = report.render(rows, report.totals(rec, rows), checks)
+    assert f"[BROKEN] {samples.NAME}: unknown" in text
+
+
 # -- the worker side: what elastictk.data.DataLoader writes ---------------------------------
 
 @pytest.fixture

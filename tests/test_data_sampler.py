@@ -203,6 +203,9 @@ def test_loader_and_sampler_must_agree() -> None:
 def test_a_saved_state_for_another_dataset_or_seed_is_refused_in_one_line() -> None:
     with pytest.raises(SamplerStateError, match="dataset of 9 samples, this one has 8"):
         check_state({"epoch": 0, "position": 1, "seed": 0, "samples": 9}, samples=8, seed=0)
+    # smaller into bigger too: a state for 8 samples names other samples in a dataset of 9
+    with pytest.raises(SamplerStateError, match="dataset of 8 samples, this one has 9"):
+        check_state({"epoch": 0, "position": 1, "seed": 0, "samples": 8}, samples=9, seed=0)
     with pytest.raises(SamplerStateError, match="build it with seed=4"):
         check_state({"epoch": 0, "position": 1, "seed": 4, "samples": 8}, samples=8, seed=0)
     with pytest.raises(SamplerStateError, match="out of range"):

@@ -135,6 +135,15 @@ def test_each_named_attack_is_unreadable(raw: bytes) -> None:
         loads(raw)
 
 
+def test_a_record_is_at_most_one_mib_whatever_the_constant_says() -> None:
+    """An absolute bound, not one built from the constant (the attacks above move with it): a
+    string record of 1 MiB + 2 bytes is refused, one of exactly 1 MiB parses."""
+    mib = 1024 * 1024
+    with pytest.raises(Unreadable, match=f"{mib + 2} bytes, more than the {mib}"):
+        loads(b'"' + b"a" * mib + b'"')
+    assert len(loads(b'"' + b"a" * (mib - 2) + b'"')) == mib - 2
+
+
 def test_legit_records_parse() -> None:
     assert loads(b'{"a":[1,2.5,{"b":null}],"c":"\\u00e9"}') == {"a": [1, 2.5, {"b": None}], "c": "é"}
     assert loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None

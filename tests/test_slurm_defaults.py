@@ -63,6 +63,32 @@ def test_explicit_flags_win(script: str) -> None:
     assert config is not None and config.standalone and "under Slurm" not in err
 
 
+WHERE_ARGS = {"rdzv_backend": ["--rdzv-backend", "static"], "rdzv_endpoint": ["--rdzv-endpoint", "h:1234"],
+              "standalone": ["--standalone"], "master_addr": ["--master-addr", "10.0.0.5"],
+              "master_port": ["--master-port", "1234"]}
+
+
+@pytest.mark.parametrize("dest", sorted(WHERE_ARGS))
+def test_each_flag_that_says_where_nodes_meet_keeps_its_value_under_slurm(script: str, dest: str) -> None:
+    """Any one flag that says where nodes meet (the five of slurm.defaults.WHERE_FLAGS, named here
+    so that the test does not move with the constant) given: the launch is configured as it is outside Slurm, the
+    flag's value kept, and no "under Slurm" line (Slurm's defaults would replace it)."""
+    argv = WHERE_ARGS[dest] + [script]
+    outside = {k: v for k, v in slurm_env().items() if not k.startswith("SLURM")}
+    _, err_out, plain = main_for_test(argv, outside)
+    code, err, config = main_for_test(argv, slurm_env())
+    assert code == 0 and config is not None and plain is not None, err
+    assert "under Slurm" not in err, err
+    same = ("rdzv_backend", "max_nodes", "min_nodes", "standalone")
+    assert [getattr(config, k) for k in same] == [getattr(plain, k) for k in same], err
+    if dest != "standalone":  # a standalone store's port is picked at random
+        assert str(config.rdzv_endpoint) == str(plain.rdzv_endpoint), err
+    if dest in ("master_addr", "master_port"):
+        both = main_for_test(["--master-addr", "10.0.0.5", "--master-port", "1234", script], slurm_env())
+        assert both[2] is not None and "under Slurm" not in both[1], both[1]
+        assert (both[2].rdzv_backend, str(both[2].rdzv_endpoint)) == ("static", "10.0.0.5:1234")
+
+
 def test_a_pet_variable_counts_as_given(script: str) -> None:
     _, err, config = main_for_test([script], slurm_env(PET_NNODES="1:2"))
     assert config is not None and (config.min_nodes, config.max_nodes) == (1, 2), err

@@ -160,6 +160,37 @@ def test_symlinks_planted_at_the_next_step_and_at_dcps_names_are_not_followed(sh
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # the temp dirs are gone
 
 
+def test_files_swapped_under_a_verified_step_are_never_parsed(tmp_path: Path) -> None:
+    """A keyed step verifies; then its .metadata and skeleton.pt are swapped for a pickle that
+    writes a marker (the seal still holds: it covers COMPLETE, whose SHA-256s load() checks):
+    load() refuses on the SHA-256 and the pickle never runs."""
+    marker = tmp_path / "ran"
+    root = tmp_path / "snaps"
+    d = DcpDisk(str(root), 0, 1, key="k-this-job")
+    assert d.save(3, _tree(3), None)
+    assert d.verify(3) is None and d.complete_steps() == [3]
+    for name in (".metadata", "skeleton.pt"):
+        (step_dir(root, 3) / name).write_bytes(pickle.dumps(Evil(marker)))
+    assert d.complete_steps() == [3]  # the seal still verifies: only the SHA-256s tell
+    with pytest.raises(trust.Refused, match="SHA-256 .* is not the one in COMPLETE"):
+        d.load(3, None)
+    assert not marker.exists(), "a swapped file was unpickled"
+
+
+def test_a_step_directory_others_can_write_is_refused_in_a_private_root(tmp_path: Path) -> None:
+    """Without root: our own step directory made 0777 (anyone could swap its files) is refused,
+    the root itself private; the step before it is used."""
+    root = tmp_path / "snaps"
+    d = DcpDisk(str(root), 0, 1)
+    assert d.save(3, _tree(3), None) and d.save(6, _tree(6), None)
+    os.chmod(step_dir(root, 6), 0o777)
+    assert d.complete_steps() == [3]
+    assert "is writable by group or others (mode 0777)" in d.refused[6]
+    with pytest.raises(trust.Refused, match="writable by group or others"):
+        d.load(6, None)
+    assert d.load(3, None)["values"] == _tree(3)["values"]
+
+
 def test_steps_are_private_and_a_redone_step_replaces_our_own(tmp_path: Path) -> None:
     root = tmp_path / "snaps"
     d = DcpDisk(str(root), 0, 1)

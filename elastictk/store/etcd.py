@@ -255,11 +255,19 @@ class EtcdStore(Store):
         # request body while already answering, which Go's HTTP/1 server does not allow).
         lo, hi = min(wanted), max(wanted)
         watched = {"key": b64(lo)} if lo == hi else {"key": b64(lo), "range_end": b64(hi + b"\0")}
+        values: Values = {}
         while True:
             # The read itself gets at least a second, so a short wait on a busy server reports
             # a timeout (or a dead server) rather than a failed read.
             left = deadline.remaining() or 0.0
-            values, rev = self._read(keys, timeout=max(left, min(1.0, self.default_timeout)))
+            try:
+                values, rev = self._read(keys, timeout=max(left, min(1.0, self.default_timeout)))
+            except StoreUnreachable as e:
+                # A read that got no answer before this wait's own deadline is this wait timing
+                # out on a busy server, not a lost store (a refused endpoint still raises).
+                if getattr(e, "no_answer", False) and deadline.expired():
+                    return False, values
+                raise
             if done(values):
                 return True, values
             if deadline.expired():

@@ -89,6 +89,14 @@ class TLSProblem(str):
     """A reason that is a TLS misconfiguration: retrying or waiting cannot cure it."""
 
 
+class NoAnswer(str):
+    """A reason that is only slowness: the endpoint took the request and did not answer in time.
+
+    A wait whose own deadline passed during such a call has timed out (``StoreTimeout``); the
+    store is not known to be gone (``StoreUnreachable``) from that alone.
+    """
+
+
 def _tls_reason(exc: ssl.SSLError) -> TLSProblem:
     """What a TLS failure means for the user, and the fix (``exc.reason`` is OpenSSL's code)."""
     code = (getattr(exc, "reason", None) or "").upper()
@@ -197,7 +205,7 @@ def reason(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (nothing listens there)"
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {timeout:.3g}s"
+        return NoAnswer(f"no answer within {timeout:.3g}s")
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the host ({exc.strerror})"
     if isinstance(exc, (http.client.RemoteDisconnected, http.client.BadStatusLine)):
@@ -333,11 +341,17 @@ class EtcdTransport:
 
     def _unreachable(self, failures: list[tuple[Endpoint, str]]) -> StoreUnreachable:
         if not failures:
-            return StoreUnreachable(f"cannot reach etcd at {self.describe()}: out of time; {HINT}")
-        shown = "; ".join(f"{ep}: {why}" for ep, why in failures)
-        if all(isinstance(why, TLSProblem) for _, why in failures):  # each says its own fix
-            return StoreUnreachable(f"cannot talk to etcd over {self.describe()} ({shown})")
-        return StoreUnreachable(f"cannot reach etcd ({shown}); {HINT}")
+            e = StoreUnreachable(f"cannot reach etcd at {self.describe()}: out of time; {HINT}")
+        elif all(isinstance(why, TLSProblem) for _, why in failures):  # each says its own fix
+            shown = "; ".join(f"{ep}: {why}" for ep, why in failures)
+            e = StoreUnreachable(f"cannot talk to etcd over {self.describe()} ({shown})")
+        else:
+            shown = "; ".join(f"{ep}: {why}" for ep, why in failures)
+            e = StoreUnreachable(f"cannot reach etcd ({shown}); {HINT}")
+        # Only slowness (no endpoint refused, none spoke something else): a caller whose own
+        # deadline has passed meanwhile reports a timeout, not a lost store.
+        setattr(e, "no_answer", all(isinstance(why, NoAnswer) for _, why in failures))
+        return e
 
     def call(self, path: str, body: JSON, *, timeout: float | None = None,
              retry_sent: bool = True) -> JSON:

@@ -179,7 +179,9 @@ def start_preload(config: LaunchConfig) -> PreloadServer | None:
     """
     if worker_start_method(config) != "preload":
         return None
-    import torch.distributed  # noqa: F401 - what the agent imports next anyway, before the fork
+    from ..store.cpplog import import_torch_quietly
+
+    import_torch_quietly()  # what the agent imports next anyway, before the fork; its C++ log quiet
 
     server = PreloadServer(job=config.run_id)
     server.start(fork=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
@@ -19,18 +18,12 @@ from .base import (
 from .endpoint import Endpoint, parse_endpoint
 from .listen import is_unspecified, listen_socket, ping_store
 
-# c10d logs every client timeout at warning level from C++; elastictk reports them itself. The
-# level is read once, when torch loads, so it is set for that import only and taken back out of
-# the environment: the workers inherit this process's environment, and a user's script sees
-# torch's C++ warnings under elastictk-run as under torchrun.
-_QUIET = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
-if _QUIET:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-try:
-    import torch.distributed as dist  # noqa: E402  (after the log level is set)
-finally:
-    if _QUIET:
-        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+# c10d logs every client timeout at warning level from C++; elastictk reports them itself, so
+# torch is loaded quietly here, the workers' environment untouched (see .cpplog).
+from .cpplog import import_torch_quietly
+
+import_torch_quietly()
+import torch.distributed as dist  # noqa: E402  (after the log level is set)
 
 # A value no one stores: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key in one atomic round
 # trip without creating it (c10d returns ``expected`` for an absent key and never writes it, but

@@ -106,6 +106,9 @@ def fork_server(run: Callable[[], None], keep_fd: int, close_fd: int) -> ForkedC
         logger.setLevel(logging.NOTSET)
         if sys.path and not sys.flags.safe_path:
             sys.path[0] = ""  # as for python -c; a worker puts its script's directory there
+        from ..store.cpplog import as_fresh_import
+
+        as_fresh_import()  # the owner's torch logs quietly; a fresh interpreter's would not
         run()
         code = 0
     except BaseException:  # noqa: BLE001 - never return into the owner's code

@@ -61,7 +61,7 @@ keys = st.builds(Key, st.sampled_from(["n0", "n1", "n2"]), st.integers(0, 3), st
 
 
 @given(st.sets(keys, max_size=12), keys)
-def test_keeping_a_replica_keeps_the_newest_two_of_its_rank_from_its_sender_only(held: set[Key], new: Key) -> None:
+def test_keeping_a_replica_keeps_the_newest_of_its_rank_from_its_sender_only(held: set[Key], new: Key) -> None:
     after = (held - superseded(held, new)) | {new}
     same = [k for k in after if (k.rank, k.world) == (new.rank, new.world)]
     assert {k.origin for k in same} == {new.origin}, "a rank's parts come from its current owner"
@@ -234,7 +234,7 @@ def test_sealed_slots_ship_to_the_ring_neighbour_and_a_replacement_fetches_them(
         for s in (1, 2, 3):  # node1's parts land on node0 (its ring neighbour) as they are sealed
             _commit(worker, s, 1, 2, parts[s])
             _wait(lambda: s in [k.step for k in tiers[0].replicas.index()])
-        assert [k.step for k in tiers[0].replicas.index()] == [2, 3], "the newest two kept"
+        assert [k.step for k in tiers[0].replicas.index()] == [3], "the newest kept (3x the state per node)"
         assert {k.origin for k in tiers[0].replicas.index()} == {"node1"}
         worker.close()
         # node1 is lost; node2 (a spare) takes its place and its rank 1
@@ -244,7 +244,7 @@ def test_sealed_slots_ship_to_the_ring_neighbour_and_a_replacement_fetches_them(
         tiers[2].round(members, 2, "node2", 1, prefetch=True)
         mine = Region(holders[2].path, 0, holders[2].region, holders[2].memory, 1)
         ready = mine.ready(1, 2)
-        assert [m.step for m in ready] == [3, 2], "the newest two steps, fetched from the neighbour"
+        assert [m.step for m in ready] == [3], "the newest step, fetched from the neighbour"
         for m in ready:
             assert mine.verify(m) is None
             assert bytes(mine.data(m.index)[:m.length]) == parts[m.step]

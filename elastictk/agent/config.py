@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..metrics.kinds import Emit
 from ..metrics.steps import WorkerStepsBlock
@@ -42,6 +43,7 @@ class AgentConfig:
     standby: bool = False  # in-place: a replacement is the preload server's warmed standby
     snapshot_memory: int | None = None  # the local snapshot tier: bytes of memfd this agent owns
     snapshot_replicas: int = 0  # the peer tier: other nodes holding each of this node's parts (0: off)
+    metrics_registry: Any = None  # a prometheus CollectorRegistry: the peer tier's replica lag goes there
     # Whether run() returns only once its store-watching threads ended (each may sit up to a
     # heartbeat interval in a store wait). Needed where the process goes on or exits normally:
     # finalizing Python under a thread inside a c10d call aborts it. elastictk-run ends with

@@ -124,6 +124,8 @@ class ElasticAgent:
         snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
         self._peer = (PeerTier(snapshots, addr, cfg.rdzv.token, cfg.rdzv.job_id, cfg.snapshot_replicas,
                                snapshots.memory) if snapshots is not None and cfg.snapshot_replicas else None)
+        if self._peer is not None and cfg.metrics_registry is not None:  # the replicas' lag, per rank
+            cfg.metrics_registry.register(self._peer.collector())
         meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role,
                 **(self._peer.meta() if self._peer is not None else {})}
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)

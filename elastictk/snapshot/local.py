@@ -9,7 +9,7 @@ with the agent: once the agent and its workers are gone, nothing refers to the f
 A region (native byte order)::
 
     0      magic "ETKSNAP1" | version u32 | slots u32 (2)
-    16     active slot i32 (-1: none) | pad
+    16     active slot i32 (-1: none) | pinned slot i32 (-1: none; set by the agent while it ships it)
     24     slot size u64
     64     slot 0 meta | 128 slot 1 meta            (64 bytes each, see META)
     512    slot 0 origin | 640 slot 1 origin        (u32 length | UTF-8: where an adopted part came from)
@@ -18,7 +18,10 @@ A region (native byte order)::
 A commit writes the slot that is not active: its meta goes to WRITING first (the older
 snapshot it held is given up), then the data, then the meta (step, length, rank, world),
 then READY, then ``active`` flips to it: a worker killed at any point leaves the other slot's
-snapshot intact. The checksum of the data (:func:`~.codec.checksum`) is computed afterwards by a
+snapshot intact. A slot the agent is shipping to a peer is *pinned* (:meth:`Region.pin`): the
+worker's next commits go to the other slot, even the active one, until the agent unpins it, so a
+send slower than the steps still delivers a whole part (the replica lags instead of tearing).
+The checksum of the data (:func:`~.codec.checksum`) is computed afterwards by a
 background thread and marked ``checked``. A slot published but never checked (its worker was
 killed in between) is not restored: nothing can tell its bytes from bytes changed since, and a
 restore that trusted it could load wrong weights, or fail to decode it on every restart; the
@@ -38,12 +41,13 @@ from .codec import checksum
 from .settings import ENV_MEMORY, ENV_REGION_SIZE, ENV_REGIONS, PAGE, human, region_size
 
 MAGIC = b"ETKSNAP1"
-VERSION = 2
+VERSION = 3  # 3: the pinned-slot field
 SLOTS = 2
 MEMFD_NAME = "elastictk-snapshots"
 HEADER = struct.Struct("@8sII")
 ACTIVE = struct.Struct("@i")
 OFF_ACTIVE = 16
+OFF_PIN = 20
 OFF_SLOT_SIZE = 24
 U64 = struct.Struct("@Q")
 U32 = struct.Struct("@I")
@@ -87,6 +91,7 @@ class Holder:
             mm = mmap.mmap(self._fd, PAGE, offset=r * self.region)
             HEADER.pack_into(mm, 0, MAGIC, VERSION, SLOTS)
             ACTIVE.pack_into(mm, OFF_ACTIVE, -1)
+            ACTIVE.pack_into(mm, OFF_PIN, -1)
             U64.pack_into(mm, OFF_SLOT_SIZE, slot_size(self.region))
             mm.close()
 
@@ -175,9 +180,34 @@ class Region:
                 f"over {self.local_world} local rank(s), {SLOTS} slots each); raise "
                 f"--snapshot-memory to at least {human(need * self.local_world)} or drop the local tier")
 
+    @property
+    def pinned(self) -> int:
+        """The slot the agent is shipping (-1: none); commits leave it alone."""
+        return int(ACTIVE.unpack_from(self.mm, OFF_PIN)[0])
+
+    def pin(self, m: SlotMeta) -> bool:
+        """The agent's side: keep slot ``m`` whole while it is sent. False when the worker took
+        it meanwhile (its seq or state changed after the pin was set): nothing is pinned then."""
+        ACTIVE.pack_into(self.mm, OFF_PIN, m.index)
+        now = self.meta(m.index)
+        if now.state == READY and now.seq == m.seq and now.checked:
+            return True
+        self.unpin()
+        return False
+
+    def unpin(self) -> None:
+        ACTIVE.pack_into(self.mm, OFF_PIN, -1)
+
+    def next_slot(self) -> int:
+        """Where the next commit goes: the slot that is not active, unless the agent has it
+        pinned; then the active one (the pinned slot stays the whole snapshot meanwhile)."""
+        active = self.active
+        i = 1 - active if active in (0, 1) else 0
+        return active if i == self.pinned and active in (0, 1) else i
+
     def begin(self) -> int:
         """The slot to write next, given up (WRITING) before a byte of it changes."""
-        i = 1 - self.active if self.active in (0, 1) else 0
+        i = self.next_slot()
         self._set_state(i, WRITING)
         U32.pack_into(self.mm, OFF_ORIGIN + ORIGIN_SIZE * i, 0)
         return i

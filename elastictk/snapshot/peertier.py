@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
+from .lag import LagCollector, ReplicaLag
 from .local import READY, Holder, Region
 from .peer import PeerClient, PeerServer
 from .replicas import Key, Replicas
@@ -69,6 +70,8 @@ class PeerTier:
         self._targets: list[Endpoint] = []
         self._clients: dict[Endpoint, PeerClient] = {}
         self._shipped: dict[int, int] = {}  # local rank -> seq of the slot last shipped
+        self.lag = ReplicaLag()
+        self.rate = _test_rate()  # tests slow the sends down (bytes/s); 0 in a job
         self._previous: set[str] = set()
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="elastictk-replicator", daemon=True)
@@ -77,6 +80,10 @@ class PeerTier:
     def meta(self) -> dict[str, Any]:
         """What goes into this agent's (sealed) join record: where its server listens."""
         return {META_PORT: self.server.port}
+
+    def collector(self) -> LagCollector:
+        """The replica-lag gauge, for the agent's metrics registry."""
+        return LagCollector(self.lag)
 
     def env(self) -> dict[str, str]:
         return {ENV_NOTIFY: f"/proc/{os.getpid()}/fd/{self._wfd}"}
@@ -109,6 +116,7 @@ class PeerTier:
             for e in [e for e in self._clients if e not in targets]:
                 self._clients.pop(e).close()
             self._shipped.clear()  # new neighbours get the newest parts again
+            self.lag.reset()
         if prefetch:
             others = [e for i, e in enumerate(ends) if e is not None and i != pos]
             self._prefetch(others, base_rank, world)
@@ -174,7 +182,9 @@ class PeerTier:
                 pass  # something newer was sealed while we sent
 
     def _ship_newest(self) -> bool:
-        """Send each local rank's newest sealed slot not yet sent; whether one changed meanwhile."""
+        """Send each local rank's newest sealed slot not yet sent, pinned while it is sent (the
+        worker's commits go to its other slot meanwhile, so the part arrives whole however long
+        the send takes); whether a newer one was sealed meanwhile."""
         with self._lock:
             targets, node_id = list(self._targets), self._node_id
         again = False
@@ -184,31 +194,42 @@ class PeerTier:
             if not metas or not targets:
                 continue
             m = max(metas, key=lambda m: m.seq)
-            if self._shipped.get(lr, 0) >= m.seq:
-                continue
-            self._shipped[lr] = m.seq
-            for e in targets:
-                self._put(e, node_id, region, m)
-            if region.meta(m.index).seq != m.seq:
+            self.lag.sealed(lr, m.rank, m.step)
+            if self._shipped.get(lr, 0) >= m.seq or not region.pin(m):
+                continue  # sent already, or overwritten between the read and the pin: the next wake
+            try:
+                self._shipped[lr] = m.seq
+                t0 = time.monotonic()
+                kept = [self._put(e, node_id, region, m) for e in targets]
+                if all(kept):
+                    self.lag.replicated(lr, m.step, time.monotonic() - t0)
+            finally:
+                region.unpin()
+            newest = max((region.meta(i) for i in (0, 1)), key=lambda x: x.seq)
+            if newest.seq != m.seq:
                 again = True
         return again
 
-    def _put(self, e: Endpoint, node_id: str, region: Region, m: Any) -> None:
+    def _put(self, e: Endpoint, node_id: str, region: Region, m: Any) -> bool:
+        """Send pinned slot ``m`` to ``e``; whether ``e`` kept it."""
         try:
             c = self._clients.get(e)
             if c is None:
                 c = self._clients[e] = PeerClient(e[1], e[2], self.key, self.job, timeout=CONNECT_TIMEOUT)
                 c.sock.settimeout(60.0)
+            if self.rate and select.select([self._stop_r], [], [], m.length / self.rate)[0]:
+                return False  # closing
             c.put(node_id, m.rank, m.world, m.step, m.digest, region.data(m.index)[:m.length])
+            return True
         except WireError as err:
-            if region.meta(m.index).seq == m.seq:  # not merely overwritten while it was sent
-                self._warn(f"put {e[1]} {type(err).__name__}", f"rank {m.rank}'s step {m.step} not "
-                           f"replicated to {e[1]}: {err}")
+            self._warn(f"put {e[1]} {type(err).__name__}", f"rank {m.rank}'s step {m.step} not "
+                       f"replicated to {e[1]}: {err}")
             if "refused" not in str(err) and "did not keep" not in str(err):
                 self._drop_client(e)
         except OSError as err:
             self._warn(f"put {e[1]} os", f"cannot replicate to {e[1]}:{e[2]}: {err}")
             self._drop_client(e)
+        return False
 
     def _drop_client(self, e: Endpoint) -> None:
         with self._lock:
@@ -228,3 +249,16 @@ class PeerTier:
             r.close()
         for fd in (self._rfd, self._wfd, self._stop_r, self._stop_w):
             os.close(fd)
+
+
+ENV_THROTTLE = "ELASTICTK_SNAPSHOT_TEST_SEND_BPS"  # tests only: ship at most this many bytes/s
+
+
+def _test_rate() -> float:
+    """A send rate for tests that need sends slower than the steps (a real network's pace, on a
+    loopback that is not): the replicator waits ``nbytes / rate`` before each put. 0: none."""
+    try:
+        rate = float(os.environ.get(ENV_THROTTLE, "") or 0)
+    except ValueError:
+        return 0.0
+    return rate if rate > 0 and rate != float("inf") else 0.0

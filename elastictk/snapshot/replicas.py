@@ -1,4 +1,4 @@
-"""Replicas this agent holds of other nodes' parts: anonymous memory, bounded, newest two kept.
+"""Replicas this agent holds of other nodes' parts: anonymous memory, bounded, the newest kept.
 
 Each replica lives in a ``memfd`` of its own (nothing in ``/dev/shm``; it dies with this agent)
 sized to the part, so a part is received straight into the memory that keeps it. At most
@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 
 from .settings import human
 
-KEEP = 2
+KEEP = 1  # the newest whole step per rank: 2 local slots + 1 replica = 3x the state per node
 MEMFD_NAME = "elastictk-replica"
 
 

@@ -364,6 +364,10 @@ class RestartPolicy:
             reason = self.max_restarts.check(failures, cause)
         if reason is None and isinstance(self.intensity, RestartIntensity):
             reason = self.intensity.check(len(window), cause)
+        if reason is not None and self.crash_loop is None and stalled >= 1:
+            reason += (f"; the last {stalled + 1} attempts all failed before any rank's first step "
+                       "(a deterministic start-up error is retried like any failure, as torchrun "
+                       "does): --max-no-progress-restarts 1 stops after one such restart")
         if reason is not None:
             return (replace(state, failures=failures, failure_times=window, last_t=t,
                             gave_up=reason), GiveUp(reason))

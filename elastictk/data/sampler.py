@@ -75,6 +75,14 @@ class ElasticSampler(Sampler[int]):
     def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  batch_size: Optional[int] = None) -> None:
+        _check_dataset(dataset)
+        seed = _whole("seed", seed)
+        shuffle = _flag("shuffle", shuffle)
+        drop_last = _flag("drop_last", drop_last)
+        if num_replicas is not None:
+            num_replicas = _whole("num_replicas", num_replicas)
+        if rank is not None:
+            rank = _whole("rank", rank)
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"ElasticSampler(num_replicas={num_replicas}): at least 1")
         if rank is not None and (rank < 0 or (num_replicas is not None and rank >= num_replicas)):
@@ -85,7 +93,7 @@ class ElasticSampler(Sampler[int]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
-        self.seed = int(seed)
+        self.seed = seed
         self.drop_last = drop_last
         self.batch_size = batch_size
         self.epoch = 0
@@ -147,8 +155,13 @@ class ElasticSampler(Sampler[int]):
 
     def _batch(self) -> int:
         if self.batch_size is None:
-            raise ValueError("ElasticSampler needs batch_size=<the loader's per-rank batch size> "
-                             "(elastictk.data.DataLoader fills it in) to cut global batches")
+            found = _torch_batch_size(self)
+            if found is None:
+                raise ValueError("ElasticSampler needs batch_size=<the loader's per-rank batch "
+                                 "size> to cut global batches: give it to the sampler, or iterate "
+                                 "it through a DataLoader(batch_size=...), torch's or "
+                                 "elastictk.data's")
+            self.batch_size = found
         return self.batch_size
 
     def _start(self) -> _Pass:
@@ -193,7 +206,8 @@ class ElasticSampler(Sampler[int]):
     def __len__(self) -> int:
         """The indices this rank takes in a pass from the current position."""
         rank, world = self.world()
-        cut = plan.cut(len(self.dataset), min(self.position, len(self.dataset)), self._batch(),
+        batch = self.batch_size if self.batch_size is not None else _torch_batch_size(self)
+        cut = plan.cut(len(self.dataset), min(self.position, len(self.dataset)), batch or 1,
                        rank, world, self.drop_last)
         return sum(len(b) for b in cut.batches)
 
@@ -280,6 +294,72 @@ def _rank_world() -> tuple[int, int]:
     except ValueError:
         raise ValueError("ElasticSampler: RANK/WORLD_SIZE in the environment are not ints; pass "
                          "num_replicas and rank") from None
+
+
+def _check_dataset(dataset: Any) -> None:
+    """A map-style dataset with a length: the sampler hands out its indices."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(f"ElasticSampler({type(dataset).__name__}): an IterableDataset has no "
+                        "indices to sample; use a map-style Dataset (with __getitem__ and "
+                        "__len__), or shard the stream by rank yourself without a sampler")
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise TypeError(f"ElasticSampler(dataset): needs a map-style dataset with len(), got "
+                        f"{_short(dataset)} ({type(dataset).__name__})") from None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TypeError(f"ElasticSampler(dataset): len(dataset) is {_short(size)}, not a "
+                        "count of samples")
+
+
+def _whole(name: str, value: Any) -> int:
+    """An int argument (numpy and torch ints included), never a bool or a string."""
+    import operator
+
+    if isinstance(value, bool):
+        raise TypeError(f"ElasticSampler({name}={value!r}): an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"ElasticSampler({name}={_short(value)}): an int") from None
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A bool argument: a string such as 'no' is truthy and would silently mean True."""
+    if isinstance(value, bool):
+        return value
+    import numbers
+
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(value)
+    raise TypeError(f"ElasticSampler({name}={_short(value)}): True or False")
+
+
+def _torch_batch_size(sampler: "ElasticSampler") -> Optional[int]:
+    """The per-rank batch size of torch's ``BatchSampler`` that is iterating (or measuring)
+    ``sampler`` right now: how a plain ``torch.utils.data.DataLoader(ds, batch_size=B,
+    sampler=ElasticSampler(ds))`` works as it does with ``DistributedSampler``. None when the
+    caller is not a batch sampler over this sampler."""
+    from torch.utils.data import BatchSampler
+
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, BatchSampler) and owner.sampler is sampler:
+            size = owner.batch_size
+            if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+                if owner.drop_last:
+                    sampler._say("batch-drop", "ElasticSampler under DataLoader(drop_last=True): "
+                                 "the loader drops a short last batch that the position counts as "
+                                 "trained; pass ElasticSampler(drop_last=True) instead")
+                return size
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _multiworker_torch_loader() -> bool:

@@ -74,12 +74,28 @@ def fault_point(step: int) -> None:
     """Perform the faults planned for this worker at ``step`` (see the module's docstring).
     Named apart from ``elastictk.metrics.checkpoint()``, which says a checkpoint was saved."""
     global _last_step, _level
+    step = _step_number(step)
     if _level != USER:
         _take(USER, step)
     _last_step = step
     if step < _next:
         return
     _reached(step, "checkpoint")
+
+
+def _step_number(step: object) -> int:
+    """The step as an int (numpy and torch ints included); anything else is the caller's mistake,
+    named here rather than as a comparison error deep in the plan."""
+    import operator
+
+    if isinstance(step, bool):
+        raise TypeError(f"fault_point(step={step!r}): the step number, an int")
+    try:
+        return operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        text = repr(step)
+        raise TypeError(f"fault_point(step={text[:40]}): the step number, an int (the step the "
+                        "job is about to run or just ran)") from None
 
 
 def auto_step(step: int) -> None:

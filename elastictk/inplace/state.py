@@ -26,6 +26,7 @@ import copy
 import io
 import logging
 import os
+import pickle
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from ..snapshot.settings import Settings, SettingsError
@@ -89,8 +90,10 @@ class State:
                 objects[name] = value
             else:
                 values[name] = value
+        _check_entries(objects, values)
         object.__setattr__(self, "_objects", objects)
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_restore_called", False)
         object.__setattr__(self, "_commit", None)
         object.__setattr__(self, "_commit_values", None)
         object.__setattr__(self, "_commits", 0)
@@ -109,14 +112,16 @@ class State:
             return objects[name]
         if name in values:
             return values[name]
-        raise AttributeError(f"State has no entry {name!r}; register it: State({name}=...)")
+        raise AttributeError(f"State has no entry {name!r}{_did_you_mean(name, [*objects, *values])}; "
+                             f"register it: State({name}=...)")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._objects:
             raise StateError(f"State entry {name!r} is a stateful object; change it in place, "
                              "do not rebind it")
         if name not in self._values:
-            raise StateError(f"State has no entry {name!r}; register it up front: State({name}=...)")
+            raise StateError(f"State has no entry {name!r}{_did_you_mean(name, self.names)}; "
+                             f"register it up front: State({name}=...)")
         self._values[name] = value
 
     @property
@@ -155,6 +160,9 @@ class State:
         if snap is None:
             object.__setattr__(self, "_commit", self._capture())
             return
+        if not self._restore_called:
+            _say_restore_forgotten()
+            object.__setattr__(self, "_restore_called", True)  # said once per State
         values = copy.deepcopy(self._values)
         step = int(values.get("step", self._commits))
         guard: frozenset[int] = frozenset()
@@ -163,10 +171,34 @@ class State:
 
             snap.gate.attach(self._objects.values())
             guard = frozenset(guarded(self._objects.values()))
-        snap.commit({"objects": {n: o.state_dict() for n, o in self._objects.items()},
-                     "values": values}, step, guard)
+        try:
+            snap.commit({"objects": {n: o.state_dict() for n, o in self._objects.items()},
+                         "values": values}, step, guard)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            culprit = self._unpicklable()
+            if culprit is None:
+                raise
+            raise StateError(f"State entry {culprit[0]!r} ({culprit[1]}) cannot be saved in a "
+                             f"snapshot ({type(e).__name__}: {e}); keep plain data (ints, floats, "
+                             "strings, lists, dicts, tensors) or objects with state_dict() in "
+                             "State, and build the rest again after a restart") from None
         object.__setattr__(self, "_commit", _LAZY)
         object.__setattr__(self, "_commit_values", values)
+
+    def _unpicklable(self) -> Optional[tuple[str, str]]:
+        """The first entry a snapshot cannot serialize, and its type: named in the error instead
+        of a pickler's message about ``<lambda>`` in every rank."""
+        for name, value in sorted(self._values.items()):
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - any failure names this entry
+                return name, type(value).__name__
+        for name, obj in sorted(self._objects.items()):
+            try:
+                pickle.dumps(obj.state_dict())
+            except Exception:  # noqa: BLE001
+                return name, f"{type(obj).__name__}.state_dict()"
+        return None
 
     def flush(self) -> None:
         """Wait until the last commit is checksummed and (when due) written to disk."""
@@ -178,6 +210,7 @@ class State:
         """Load the newest step every rank holds whole in some snapshot tier; that step, or None
         (nothing to restore: a first start, or no tier configured). With WORLD_SIZE > 1 call it
         after ``init_process_group``: the ranks agree on the step over the default group."""
+        object.__setattr__(self, "_restore_called", True)
         snap = self._snapshotter()
         if snap is None:
             _say_nothing_restored()
@@ -261,6 +294,7 @@ class State:
 
         snap = torch.load(io.BytesIO(data), weights_only=True)
         self._check_names(snap, "the peer's state")
+        object.__setattr__(self, "_restore_called", True)  # a peer's commit is a restore too
         object.__setattr__(self, "_commit", snap)
         self.rollback()
 
@@ -317,6 +351,67 @@ def _say_nothing_restored() -> None:
     log.warning("elastictk: state.restore() in restart %d restored nothing: no snapshot tier is "
                 "configured, so training starts again from the state's initial values; pass "
                 "elastictk-run --snapshot local (or disk), or State(snapshot_dir=DIR)", count)
+
+
+def _say_restore_forgotten() -> None:
+    """A restarted worker that commits to a snapshot tier without ever calling ``restore()``
+    starts again from the state's initial values although the tier may hold its last step, and
+    the job still ends well: say so, once per State (a first start has nothing to restore)."""
+    try:
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+    except ValueError:
+        return
+    if count <= 0:
+        return
+    log.warning("elastictk: rank %s commits in restart %d without state.restore(): the steps the "
+                "snapshot tiers hold are ignored and training starts again from the state's "
+                "initial values; call state.restore() once after init_process_group",
+                os.environ.get("RANK", "?"), count)
+
+
+_STATEFUL_NAMES = frozenset({"model", "module", "optimizer", "optim", "opt", "scheduler",
+                             "lr_scheduler", "sampler", "scaler", "grad_scaler"})
+
+
+def _check_entries(objects: dict[str, Stateful], values: dict[str, Any]) -> None:
+    """Mistakes that would train silently wrong: a name that means an object given as a plain
+    value (``optimizer='adam'``), and an optimizer over parameters no registered module has (it
+    was built over another model, so restore and rollback would not move what it trains)."""
+    for name, value in values.items():
+        if name in _STATEFUL_NAMES:
+            raise StateError(f"State({name}={_short(value)}): {name!r} is a "
+                             f"{type(value).__name__}, not an object with state_dict() and "
+                             f"load_state_dict(); pass the {name} itself")
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+    if not modules:
+        return
+    owned = {id(p) for m in modules for p in m.parameters()}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            if params and not any(id(p) in owned for p in params):
+                raise StateError(f"State entry {name!r}: the optimizer updates none of the "
+                                 "parameters of the registered module(s) "
+                                 f"{sorted(n for n, o in objects.items() if o in modules)}; build "
+                                 "it over model.parameters() of the model in State (after moving "
+                                 "or wrapping it)")
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _rank_world() -> tuple[int, int]:

@@ -198,8 +198,23 @@ def run_python(kind: str, target: str, args: Iterable[str]) -> int:
         code = _exit_code(e)
     except BaseException as e:  # noqa: BLE001 - report like the interpreter, then exit 1
         report_uncaught(e)
+        _record_if_unrecorded(e)
         code = 1
     return code
+
+
+def _record_if_unrecorded(e: BaseException) -> None:
+    """Write the error file for an exception the script's own ``@elastictk.record`` did not
+    (a script without it, or a SyntaxError/ImportError raised before its main runs), so the
+    failure summary names the exception instead of "exit code 1". A file already there (the
+    decorator's, maybe a nested launcher's root cause) is kept; Ctrl-C is not an error."""
+    if not isinstance(e, Exception):
+        return
+    from .errors import ERROR_FILE_ENV, record_exception
+
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path and not os.path.lexists(path):
+        record_exception(e, path)
 
 
 def _launcher_frame(tb: TracebackType) -> bool:

@@ -11,6 +11,7 @@ Everything here is a pure function of worker results and files on disk, except
 """
 from __future__ import annotations
 
+import re
 import signal as _signal
 import socket
 import time
@@ -150,7 +151,11 @@ class ProcessFailure:
         if self.hang is not None:
             # a timer's headline gets its cause; the progress watchdog's names itself
             return self.hang if "(progress watchdog)" in self.hang else f"{self.hang} (watchdog timer expired)"
-        what = self.error.message if self.error is not None else self.exit_description
+        if self.error is not None:
+            what = self.error.message
+        else:
+            raised = exception_in(self.stderr_tail) if self.signal is None and (self.exitcode or 0) > 0 else None
+            what = f"{raised} ({self.exit_description})" if raised else self.exit_description
         what = " ".join(what.split())
         if len(what) > limit:
             what = what[: limit - 3] + "..."
@@ -191,6 +196,29 @@ class ProcessFailure:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not an elastictk failure record ({type(e).__name__}: {e})") from None
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning)"
+                       r"(?::\s.*)?$")
+
+
+def exception_in(tail: Iterable[str]) -> Optional[str]:
+    """The exception a Python worker died of, read from its stderr tail: the first unindented
+    line after the last ``Traceback`` header (a traceback's frames are indented), else the last
+    line shaped like ``SyntaxError: ...`` (a script the interpreter could not compile prints no
+    header). Used only to name the cause for a person when the worker wrote no error file
+    (no ``@elastictk.record``); None when the tail shows no exception."""
+    lines = [line.rstrip("\n") for line in tail]
+    header = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
+                 default=None)
+    if header is not None:
+        for line in lines[header + 1:]:
+            if line and not line[0].isspace():
+                return line.strip()[:300] or None
+    for line in reversed(lines):
+        if _EXC_LINE.match(line.strip()) and not line[:1].isspace():
+            return line.strip()[:300]
+    return None
 
 
 def failure_of(w: WorkerOutcome, *, hostname: str, wall_offset: Optional[float] = None,

@@ -31,6 +31,8 @@ def test_any_world_sizes_and_stops_take_each_offset_exactly_once(
     position = padded = dropped = 0
     for i, (world, stop) in enumerate(segs):
         cuts = [cut(n, position, batch, r, world, drop_last) for r in range(world)]
+        tail = (n - position) % (batch * world)  # the short last global batch, from the cut's own input
+        assert (cuts[0].padded, cuts[0].dropped) == ((0, tail % world) if drop_last else ((-tail) % world, 0))
         counts = {len(c.batches) for c in cuts}
         assert len(counts) == 1, "every rank takes the same number of batches"
         run = counts.pop() if i == len(segs) - 1 else min(stop, counts.pop())

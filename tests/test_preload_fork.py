@@ -119,3 +119,43 @@ def test_a_forked_server_dies_with_its_owner_killed() -> None:
             os.kill(int(pid), signal.SIGKILL)
             pytest.fail("the forked server outlived its owner")
         time.sleep(0.05)
+
+
+SLOW_OWNER = """\
+import os, signal, sys, time
+from elastictk.supervisor.forkserver import PreloadServer
+s = PreloadServer(preload=("slowmod",))
+s.start(fork=True)
+assert s.how == "forked", s.how
+while not os.path.exists("importing"):  # the server is inside its preload now
+    time.sleep(0.01)
+open("server.pid", "w").write(str(s.pid))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_forked_server_still_preloading_dies_with_its_owner(tmp_path: Path) -> None:
+    """The owner is SIGKILLed while the server imports a module that takes 300 s: the death
+    signal ends it at once (the control socket's EOF is read only after the preload, so
+    without the death signal it would outlive its owner by the whole preload)."""
+    (tmp_path / "slowmod.py").write_text("import time\nopen('importing', 'w').close()\ntime.sleep(300)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "owner.err", "w") as err:  # a file: the server must not hold our pipe
+        done = subprocess.run([sys.executable, "-c", SLOW_OWNER], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                              stdout=err, stderr=err, timeout=120)
+    assert done.returncode == -signal.SIGKILL, (tmp_path / "owner.err").read_text()[-2000:]
+    pid = int((tmp_path / "server.pid").read_text())
+    deadline = time.monotonic() + 30  # far past a loaded machine's; without it the server lives 300 s
+    while _running(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked server outlived its owner while preloading")
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie (its reaper may take the /proc entry away while we read it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -113,6 +113,30 @@ def test_workers_that_ignore_the_warning_are_stopped_and_a_failed_requeue_is_one
     assert len(lines) == 1 and "permission denied" in lines[0], err
 
 
+def test_without_requeue_a_preemption_asks_slurm_nothing(tmp_path: Path) -> None:
+    """SIGUSR1 under Slurm without --requeue: exit 75, and the fake scontrol on PATH is never
+    asked to requeue (every other pre-emption test passes --requeue)."""
+    started = tmp_path / "started"
+    script = tmp_path / "w.py"
+    script.write_text(f"import time\nopen({str(started)!r}, 'w').close()\ntime.sleep(120)\n")
+    bin_dir, calls = _fake_scontrol(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "elastictk.run", "--grace-period", "30", str(script)],
+                            cwd=ROOT, env=_env(_free_job_id(), bin_dir), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(started, lambda _: True, proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == PREEMPTED_EXIT, err
+    assert "pre-empted by SIGUSR1" in err, err
+    asked = calls.read_text().splitlines() if calls.exists() else []  # "show hostnames" may be
+    assert not [c for c in asked if c.startswith("requeue")], f"{asked}\n{err}"
+
+
 def test_preempt_signal_flags() -> None:
     from elastictk.cli.args import main_for_test
 

@@ -61,7 +61,8 @@ def _events(tmp: Path, kind: str) -> list[dict[str, object]]:
 def test_a_stopped_ddp_rank_is_named_dumped_killed_and_the_job_recovers(tmp_path: Path) -> None:
     """Attempt 1 then trains 3 s, twice the timeout, without being judged hung."""
     timeout = 1.5
-    p = _launch(tmp_path, ["--progress-timeout", str(timeout), "--collective-timeout", "20"], 60, 0.05)
+    p = _launch(tmp_path, ["--hang-detection", "fixed", "--progress-timeout", str(timeout),
+                           "--collective-timeout", "20"], 60, 0.05)
     pid = _wait_for(tmp_path / "a0.r1.pid", p)
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -171,6 +172,7 @@ def test_fresh_interpreter_workers_count_optimizer_steps(tmp_path: Path) -> None
     ("--progress-timeout", "abc", "--progress-timeout abc: 'abc' is not a number of seconds"),
     ("--startup-timeout", "nan", "--startup-timeout nan: seconds must be a finite number 0 or more"),
     ("--startup-timeout", "1e12", "--startup-timeout 1e12: seconds must be at most 86400"),
+    ("--hang-detection", "learnt", "--hang-detection learnt"),
 ])
 def test_bad_values_are_one_line_errors(flag: str, value: str, needle: str) -> None:
     code, err, config = main_for_test([flag, value, "--standalone", SCRIPT])
@@ -179,8 +181,10 @@ def test_bad_values_are_one_line_errors(flag: str, value: str, needle: str) -> N
 
 
 def test_defaults_and_off() -> None:
-    assert parse_args(["--standalone", SCRIPT]).progress_timeout == 300.0
-    assert parse_args(["--standalone", SCRIPT]).startup_timeout is None
+    c = parse_args(["--standalone", SCRIPT])
+    assert (c.hang_detection, c.progress_timeout, c.startup_timeout) == ("learned", None, None)
+    c = parse_args(["--hang-detection", "fixed", "--standalone", SCRIPT])
+    assert (c.hang_detection, c.progress_timeout) == ("fixed", 300.0)
     c = parse_args(["--progress-timeout", "0", "--startup-timeout", "7.5", "--standalone", SCRIPT])
     assert (c.progress_timeout, c.startup_timeout) == (None, 7.5)
 

@@ -36,6 +36,9 @@ class AgentConfig:
     on_event: Emit | None = None
     collective_timeout: float | None = None  # put every torch.distributed call under a timer
     progress_timeout: float | None = None  # no step of some rank for this long: hung (progress.py)
+    # "learned" (progress of any kind against learned deadlines, progress_timeout the ceiling),
+    # "fixed" (steps against progress_timeout) or "off" (docs/timers.md)
+    hang_detection: str = "fixed"
     startup_timeout: float | None = None  # no first step of a rank within this long: hung
     steps: WorkerStepsBlock | None = None  # the steps block the progress watchdog reads (else its own)
     recovery: Recovery | str = Recovery.RESTART_ALL  # or IN_PLACE (agent/inplace.py); or the value

@@ -135,7 +135,8 @@ class ElasticAgent:
         self._recovery = RecoveryWatch(self._emit, self._steps)
         self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
                                  on_expiry=self._wake, progress_timeout=cfg.progress_timeout,
-                                 startup_timeout=cfg.startup_timeout, steps=self._steps)
+                                 startup_timeout=cfg.startup_timeout, steps=self._steps,
+                                 hang_detection=cfg.hang_detection)
         block = self._steps or self.watchdog.steps_block()
         if block is not None and cfg.spec.env.get(ENV_PATH, block.path) != block.path:
             log.warning("the workers' environment names a steps block (%s=%s) this agent was not "
@@ -693,6 +694,11 @@ class ElasticAgent:
                        where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
         for h in self.watchdog.take_hangs():
             self._emit(EventKind.HANG_DETECTED, **h.fields())
+        changed, stalls = self.watchdog.take_learned()
+        for deadlines in changed:
+            self._emit(EventKind.HANG_DEADLINE, deadlines={k: round(v, 2) for k, v in deadlines.items()})
+        for s in stalls:
+            self._emit(EventKind.PROGRESS_STALLED, **s.fields())
 
     def _inplace_emit(self, kind: EventKind, **fields: Any) -> None:
         """The in-place round's events, also timing its recoveries (replaced, then re-formed)."""

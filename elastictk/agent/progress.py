@@ -45,6 +45,8 @@ from ..lifetime.procfs import read_stat
 from ..metrics.layout import SlotSnapshot
 from ..metrics.steps import WorkerStepsBlock
 from ..timer.stacks import Frame, parse
+from .hangjudge import RankView, Verdict
+from .learned import Learned, Stall
 
 log = logging.getLogger("elastictk.agent")
 
@@ -52,6 +54,7 @@ PYSPY_TIMEOUT = 10.0  # seconds one py-spy dump may take
 FIRST_STEP_LOOK = 5.0  # longest sleep while waiting for every rank's first step
 MAX_SLEEP = 3600.0  # a finished rank's deadline is infinite
 REPORT_NAME = "progress_hang.txt"
+STALL_REPORT = "progress_stall.txt"
 StackDumper = Callable[[list[int]], Mapping[int, tuple[int, str, str]]]
 _PYSPY_FRAME = re.compile(r"^\s+(.*) \((.*):(\d+)\)\s*$")
 
@@ -89,7 +92,8 @@ class Hang:
     """What the progress watchdog found; culprits are killed, blocked ranks are left to the
     agent's recovery."""
 
-    kind: str  # "progress", "startup", "stopped_peer" (found when a peer failed) or
+    kind: str  # "progress", "learned" (past the learned deadline), "startup", "stopped_peer"
+    # (found when a peer failed) or
     # "group_timeout" (in place: the group's collective timed out on a stopped rank)
     timeout_s: float
     culprits: tuple[RankState, ...]
@@ -102,6 +106,7 @@ class Hang:
     def headline(self) -> str:
         c = self.culprits[0]
         what = {"progress": f"made no progress for {c.idle_s:.1f}s",
+                "learned": f"made no progress for {c.idle_s:.1f}s (learned deadline {self.timeout_s:.1f}s)",
                 "startup": f"completed no first step for {c.idle_s:.1f}s",
                 "stopped_peer": "was stopped (state T) while a peer failed waiting on it",
                 "group_timeout": "was stopped (state T) while its peers' collective timed out on it"}[self.kind]
@@ -110,11 +115,13 @@ class Hang:
 
     def describe(self) -> str:
         """The agent's one log line."""
-        names = ", ".join(f"rank {c.rank} (pid {c.pid}, {c.idle_s:.1f}s without a step"
+        gap = "without progress" if self.kind == "learned" else "without a step"
+        names = ", ".join(f"rank {c.rank} (pid {c.pid}, {c.idle_s:.1f}s {gap}"
                           f"{', stopped' if c.stopped else ''}{', at ' + c.where if c.where else ''})"
                           for c in self.culprits)
         blocked = ", ".join(str(b.rank) for b in self.blocked) or "none on this node"
         flag = {"progress": f"--progress-timeout {self.timeout_s:g}",
+                "learned": f"learned deadline {self.timeout_s:.1f}s, --hang-detection learned",
                 "startup": f"--startup-timeout {self.timeout_s:g}",
                 "stopped_peer": "found when a peer failed",
                 "group_timeout": "found when the group's collective timed out"}[self.kind]
@@ -146,10 +153,14 @@ class ProgressWatch:
 
     def __init__(self, block: WorkerStepsBlock, *, progress_timeout: Optional[float],
                  startup_timeout: Optional[float], stacks: Optional[StackDumper] = None,
-                 on_hang: Optional[Callable[[Hang], None]] = None) -> None:
+                 on_hang: Optional[Callable[[Optional[Hang]], None]] = None,
+                 learned: bool = False) -> None:
         self.block = block
         self.progress_timeout = check_timeout(progress_timeout, "--progress-timeout")
         self.startup_timeout = check_timeout(startup_timeout, "--startup-timeout")
+        # --hang-detection learned: progress of any kind judged against learned deadlines
+        # (learned.py); progress_timeout is then the user's explicit ceiling, or None
+        self.learned = Learned(self.progress_timeout) if learned else None
         self._stacks, self._on_hang = stacks, on_hang
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -298,6 +309,8 @@ class ProgressWatch:
             last = {lr: slots[lr].last_step_mono for lr in self._ranks}
             stepped = {lr: last[lr] > r.started for lr, r in self._ranks.items()}
             deadlines: dict[int, float] = {}
+            if self.learned is not None:
+                return self._look_learned(now, slots)
             if all(stepped.values()):
                 kind, timeout = "progress", self.progress_timeout
                 if timeout is not None:
@@ -325,15 +338,104 @@ class ProgressWatch:
         self._declare(kind, timeout, due, ranks, slots, last, stepped, report_dir)
         return None
 
+    def _look_learned(self, now: float, slots: list[SlotSnapshot]) -> Optional[float]:
+        """One look of the learned judge (hangjudge.py), called holding the lock; it is
+        released to dump stacks and kill."""
+        assert self.learned is not None
+        ranks = dict(self._ranks)
+        verdict, wait, views = self.learned.look(
+            now, {lr: (r.rank, r.handle.pid, r.started) for lr, r in ranks.items()}, slots)
+        startup = self._startup_wait(now, slots)
+        if startup is not None and (verdict is None or startup[0] is not None):
+            if startup[0] is not None:
+                due, timeout = startup[0], self.startup_timeout or 0.0
+                self._fired = True
+                self._unlocked_declare("startup", timeout, due, ranks, slots, now)
+                return None
+            wait = min(wait, startup[1])
+        if verdict is None:
+            return wait
+        last = {v.local_rank: v.last for v in views}
+        if verdict.kind == "hung":
+            self._fired = True
+            self._unlocked_declare("learned", verdict.deadline, list(verdict.local_ranks),
+                                   ranks, slots, now, (list(verdict.local_ranks), verdict.reason), last)
+            return None
+        idle = now - max(last.values())
+        explicit = self.progress_timeout
+        if explicit is not None and idle >= explicit:
+            self._fired = True
+            self._unlocked_declare("progress", explicit, list(verdict.local_ranks), ranks,
+                                   slots, now, None, last)
+            return None
+        if self.learned.stalled_since is None:
+            self.learned.stalled_since = max(last.values())
+            report_dir = self._report_dir
+            self._lock.release()
+            try:
+                self._report_stall(verdict, views, ranks, report_dir, idle)
+            finally:
+                self._lock.acquire()
+        return wait if explicit is None else min(wait, max(0.01, explicit - idle + 0.01))
+
+    def _startup_wait(self, now: float, slots: list[SlotSnapshot]) -> Optional[tuple[Optional[list[int]], float]]:
+        """``--startup-timeout`` in learned mode: (ranks due, or None; seconds to the next)."""
+        if self.startup_timeout is None:
+            return None
+        pending = {lr: r.started + self.startup_timeout for lr, r in self._ranks.items()
+                   if not (lr < len(slots) and slots[lr].last_step_mono > r.started)}
+        if not pending:
+            return None
+        due = [lr for lr, d in pending.items() if d <= now]
+        return (due or None), max(0.01, min(pending.values()) - now + 0.01)
+
+    def _unlocked_declare(self, kind: str, timeout: float, due: list[int], ranks: dict[int, _Rank],
+                          slots: list[SlotSnapshot], now: float,
+                          chosen: Optional[tuple[list[int], str]] = None,
+                          last: Optional[dict[int, float]] = None) -> None:
+        if last is None:
+            last = {lr: (slots[lr].last_step_mono if lr < len(slots) else 0.0) for lr in ranks}
+        stepped = {lr: last[lr] > r.started for lr, r in ranks.items()}
+        report_dir = self._report_dir
+        self._lock.release()
+        try:
+            self._declare(kind, timeout, due, ranks, slots, last, stepped, report_dir, chosen)
+        finally:
+            self._lock.acquire()
+
+    def _report_stall(self, verdict: Verdict, views: list[RankView], ranks: dict[int, _Rank],
+                      report_dir: Optional[Path], idle: float) -> None:
+        """All ranks stalled together: stacks dumped and written, one line, an event; no kill."""
+        assert self.learned is not None
+        states = {lr: _state(r.handle.pid) for lr, r in ranks.items()}
+        dumps = self._dump(ranks, states)
+        now = time.monotonic()
+        infos = {v.local_rank: RankState(v.local_rank, v.rank, ranks[v.local_rank].handle.pid, 0,
+                                         now - v.last, states[v.local_rank], dumps[v.local_rank][2],
+                                         dumps[v.local_rank][0], dumps[v.local_rank][1])
+                 for v in views if v.local_rank in ranks}
+        path = _write_report(report_dir, "stalled", verdict.deadline, infos, [], STALL_REPORT)
+        lrs = [lr for lr in verdict.local_ranks if lr in infos]
+        stall = Stall(tuple(lrs), tuple(infos[lr].rank for lr in lrs), idle, verdict.deadline,
+                      verdict.reason, tuple(infos[lr].where for lr in lrs), path, False)
+        log.warning("%s", stall.line(socket.gethostname()))
+        self.learned.add_stall(stall)
+        if self._on_hang is not None:
+            try:
+                self._on_hang(None)
+            except Exception:  # noqa: BLE001 - a wake-up only
+                log.exception("on_hang callback failed")
+
     def _declare(self, kind: str, timeout: float, due: list[int], ranks: dict[int, _Rank],
                  slots: list[SlotSnapshot], last: dict[int, float], stepped: dict[int, bool],
-                 report_dir: Optional[Path]) -> None:
+                 report_dir: Optional[Path], chosen: Optional[tuple[list[int], str]] = None) -> None:
         now = time.monotonic()
         states = {lr: _state(r.handle.pid) for lr, r in ranks.items()}
         steps = {lr: slots[lr].steps - r.baseline for lr, r in ranks.items()}
         idle = {lr: 0.0 if last[lr] == math.inf else now - (last[lr] if stepped[lr] else r.started)
                 for lr, r in ranks.items()}  # inf: the rank's script has ended (not judged)
-        culprits, reason = _culprits(kind, due, states, steps, idle, stepped)
+        culprits, reason = chosen if chosen is not None else \
+            _culprits(kind, due, states, steps, idle, stepped)
         dumps = self._dump(ranks, states)
         infos = {lr: RankState(lr, r.rank, r.handle.pid, steps[lr], idle[lr], states[lr],
                                dumps[lr][2], dumps[lr][0], dumps[lr][1])
@@ -480,11 +582,14 @@ def declare_frozen(pids: Mapping[int, int], ranks: Mapping[int, int], frozen: li
 
 
 def _write_report(report_dir: Optional[Path], kind: str, timeout: float,
-                  infos: Mapping[int, RankState], culprits: list[int]) -> Optional[str]:
+                  infos: Mapping[int, RankState], culprits: list[int],
+                  name: str = REPORT_NAME) -> Optional[str]:
     if report_dir is None:
         return None
     head = {"stopped_peer": "a stopped rank found when a peer failed",
-            "group_timeout": "a stopped rank found when the group's collective timed out"
+            "group_timeout": "a stopped rank found when the group's collective timed out",
+            "learned": f"no progress past the learned deadline {timeout:.1f}s",
+            "stalled": f"all ranks stalled together past the learned deadline {timeout:.1f}s (not killed)",
             }.get(kind, f"{kind} timeout {timeout:g}s")
     lines = [f"progress watchdog: {head} on {socket.gethostname()}", ""]
     for lr in sorted(infos):
@@ -495,7 +600,7 @@ def _write_report(report_dir: Optional[Path], kind: str, timeout: float,
                   i.stacks.rstrip() or "(no stacks)", ""]
     try:
         report_dir.mkdir(parents=True, exist_ok=True)
-        path = report_dir / REPORT_NAME
+        path = report_dir / name
         path.write_text("\n".join(lines))
         return str(path)
     except OSError as e:

@@ -18,9 +18,11 @@ import threading
 from typing import Callable, Mapping, Optional
 
 from ..metrics.steps import WorkerStepsBlock
+from ..metrics.marks import ENV_MARKS
 from ..metrics.worker import ENV_HOOKS
 from ..timer import Expiry, TimerServer
 from ..supervisor.env import Assignment
+from .learned import Stall
 from .progress import Hang, ProgressWatch, worker_env as progress_env
 
 
@@ -30,7 +32,7 @@ class Watchdog:
     def __init__(self, local_world_size: int, *, collective_timeout: Optional[float] = None,
                  on_expiry: Optional[Callable[[], None]] = None,
                  progress_timeout: Optional[float] = None, startup_timeout: Optional[float] = None,
-                 steps: Optional[WorkerStepsBlock] = None) -> None:
+                 steps: Optional[WorkerStepsBlock] = None, hang_detection: str = "fixed") -> None:
         self._wake = on_expiry
         self.server = TimerServer(local_world_size, on_expiry=self._expired)
         self.collective_timeout = collective_timeout
@@ -39,13 +41,17 @@ class Watchdog:
         self._unseen: list[Expiry] = []
         self._own_block: Optional[WorkerStepsBlock] = None
         self.progress: Optional[ProgressWatch] = None
-        if progress_timeout or startup_timeout:
+        learned = hang_detection == "learned"
+        if hang_detection == "off":
+            progress_timeout = None
+        if progress_timeout or startup_timeout or learned:
             try:
                 if steps is None:
                     steps = self._own_block = WorkerStepsBlock(local_world_size)
                 self.progress = ProgressWatch(
                     steps, progress_timeout=progress_timeout, startup_timeout=startup_timeout,
-                    stacks=self.server.dump_stacks, on_hang=lambda _h: self._wake and self._wake())
+                    stacks=self.server.dump_stacks, on_hang=lambda _h: self._wake and self._wake(),
+                    learned=learned)
             except BaseException:
                 self.close()
                 raise
@@ -60,6 +66,8 @@ class Watchdog:
         env = dict(base)
         if self.progress is not None:
             block = self.progress.block.env()
+            if self.progress.learned is not None:
+                block[ENV_MARKS] = "1"
             names = [n for n in (base.get(ENV_HOOKS) or os.environ.get(ENV_HOOKS, "")).split(",") if n.strip()]
             names += [n for n in block[ENV_HOOKS].split(",") if n not in names]
             env.update({**block, ENV_HOOKS: ",".join(names), **progress_env(True)})
@@ -121,6 +129,12 @@ class Watchdog:
     def take_hangs(self) -> list[Hang]:
         """Progress hangs not handed out yet (for events), oldest first."""
         return self.progress.take_new() if self.progress is not None else []
+
+    def take_learned(self) -> tuple[list[dict[str, float]], list[Stall]]:
+        """Learned deadlines that changed and stalls reported (not killed) since the last call."""
+        if self.progress is None or self.progress.learned is None:
+            return [], []
+        return self.progress.learned.take()
 
     def blame_stopped(self, failed: list[int]) -> Optional[Hang]:
         """Workers failed while a sibling is stopped: that sibling is the culprit (see

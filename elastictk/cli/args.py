@@ -21,7 +21,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from .config import LaunchConfig, check_system
 from .resolve import PROG, config_from_namespace
-from .values import RECOVERY_MODES, START_METHODS, ArgvError, EnvText, UsageError
+from .values import HANG_MODES, RECOVERY_MODES, START_METHODS, ArgvError, EnvText, UsageError
 
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`UsageError` instead of printing usage and exiting, so callers decide."""
@@ -112,9 +112,16 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
      "in-place recovery: keep one warmed standby process per node that a replaced worker "
      "becomes, 1 or 0 (default 0)"),
     (("--collective-timeout",), False, "seconds before a stuck collective counts as a hang"),
+    (("--hang-detection",), False,
+     f"{' | '.join(HANG_MODES)}: how a hung rank is found. learned: no progress (steps, "
+     "collectives, sections) past a deadline learned from the job's own pace while a peer "
+     "waits in a collective; fixed: no optimizer step for --progress-timeout; off (default "
+     "learned; docs/timers.md)"),
     (("--progress-timeout",), False,
-     "once every rank has stepped, seconds without a step of some rank before the group counts "
-     "as hung: stacks dumped, the culprit killed, recovery as for a failure (default 300; 0 off)"),
+     "seconds; under --hang-detection learned the learned deadlines' ceiling, and the only "
+     "limit that kills ranks stalled together outside a collective (default: 300 as ceiling, "
+     "never kills a stall); under fixed, seconds without a step of some rank before the group "
+     "counts as hung (default 300); 0 off"),
     (("--startup-timeout",), False,
      "seconds a rank may take to complete its first step before it counts as hung "
      "(default 0: off)"),

@@ -20,7 +20,7 @@ from ..snapshot.trust import usable_root
 from ..store.endpoint import Endpoint
 from .preflight import check_event_log, check_writable_dir
 from .values import (
-    BACKENDS, DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
+    BACKENDS, HANG_MODES, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
     START_METHODS, Std, UsageError,
     run_id_problem,
 )
@@ -97,7 +97,10 @@ class LaunchConfig:
     recovery: str = "restart-all"
     standby: bool = False  # --standby: in place, a replaced worker becomes a warmed standby
     collective_timeout: float | None = None
-    progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT  # None: off (--progress-timeout 0)
+    # --hang-detection learned|fixed|off (agent/pace.py, agent/hangjudge.py, docs/timers.md)
+    hang_detection: str = "learned"
+    # None: not given (learned: ceiling 300, stalls never killed) or off (--progress-timeout 0)
+    progress_timeout: float | None = None
     startup_timeout: float | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -212,6 +215,8 @@ def _process_problems(c: LaunchConfig) -> list[str]:
         out.append(f"monitor interval {c.monitor_interval}: must be more than 0 seconds")
     if c.start_method not in START_METHODS:
         out.append(f"start method {c.start_method!r}: use one of {', '.join(START_METHODS)}")
+    if c.hang_detection not in HANG_MODES:
+        out.append(f"hang detection {c.hang_detection!r}: use one of {', '.join(HANG_MODES)}")
     if c.recovery not in RECOVERY_MODES:
         out.append(f"recovery {c.recovery!r}: use one of {', '.join(RECOVERY_MODES)}")
     if not c.role:

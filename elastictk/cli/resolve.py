@@ -20,7 +20,8 @@ from . import logs_specs
 from .nodes import Flags, host, resolve_rendezvous
 from .slurm import apply_slurm, slurm_flags
 from .values import (
-    DEFAULT_PROGRESS_TIMEOUT, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES, START_METHODS, EnvText, Std,
+    DEFAULT_PROGRESS_TIMEOUT, HANG_MODES, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
+    START_METHODS, EnvText, Std,
     UsageError, expand_std, parse_bool, parse_choice, parse_filters, parse_int, parse_intensity, parse_port,
     parse_ranks, parse_seconds, parse_signals, parse_std,
 )
@@ -201,8 +202,7 @@ def _restarts(c: Flags) -> dict[str, Any]:
             ns.collective_timeout, c.at("collective_timeout", "--collective-timeout"),
             maximum=(MAX_COLLECTIVE_TIMEOUT, "(1 day): a collective stuck that long is a "
                      "hang; pass e.g. --collective-timeout 300"))),
-        progress_timeout=_off_or_seconds(ns.progress_timeout, DEFAULT_PROGRESS_TIMEOUT,
-                                         c.at("progress_timeout", "--progress-timeout")),
+        **_hangs(c),
         startup_timeout=_off_or_seconds(ns.startup_timeout, None,
                                         c.at("startup_timeout", "--startup-timeout")),
     )
@@ -219,6 +219,18 @@ def _virtual_local_rank(c: Flags, nproc: int) -> dict[str, Any]:
                          f"CUDA_VISIBLE_DEVICES={visible!r}, which lists fewer; list one per "
                          "worker or lower --nproc-per-node")
     return dict(virtual_local_rank=on)
+
+
+def _hangs(c: Flags) -> dict[str, Any]:
+    """``--hang-detection`` and ``--progress-timeout``: under ``learned`` an unset timeout stays
+    None (the learned deadlines' ceiling is then 300 s and a stall together is never killed);
+    under ``fixed`` it defaults to 300 s as before."""
+    ns = c.ns
+    mode = parse_choice(ns.hang_detection or "learned", c.at("hang_detection", "--hang-detection"),
+                        HANG_MODES)
+    default = DEFAULT_PROGRESS_TIMEOUT if mode == "fixed" else None
+    return dict(hang_detection=mode, progress_timeout=_off_or_seconds(
+        ns.progress_timeout, default, c.at("progress_timeout", "--progress-timeout")))
 
 
 def _off_or_seconds(raw: str | None, default: float | None, where: str) -> float | None:

@@ -18,6 +18,9 @@ BACKENDS = ("c10d", "file", "etcd", "static")
 BACKEND_ALIASES = {"etcd-v2": "etcd"}
 START_METHODS = ("spawn", "fork", "forkserver", "preload")
 RECOVERY_MODES = ("restart-all", "in-place")
+#: ``--hang-detection``: deadlines learned from the job's pace (agent/pace.py), the fixed
+#: ``--progress-timeout`` on optimizer steps alone (before 0.2), or no progress watchdog.
+HANG_MODES = ("learned", "fixed", "off")
 
 #: ``--rdzv-conf`` keys and their value types. ``keep_alive_*`` are torchrun's names for the
 #: heartbeat settings and are translated into ``heartbeat_*`` by :func:`parse_rdzv_conf`.
@@ -38,7 +41,8 @@ TORCH_KEEP_ALIVE_INTERVAL = 5.0
 
 #: the longest ``--collective-timeout``: a collective stuck for longer than a day is a hang.
 MAX_COLLECTIVE_TIMEOUT = 86400.0
-#: ``--progress-timeout`` unless given: a frozen DDP rank ends in a recovery within minutes
+#: ``--progress-timeout`` unless given, under ``--hang-detection fixed`` (under ``learned`` it is
+#: the learned deadlines' ceiling): a frozen DDP rank ends in a recovery within minutes
 #: (the backend's own timeout is 30), yet a long evaluation or checkpoint save between
 #: optimizer steps rarely lasts this long (README "Hangs": why, and how to raise it).
 DEFAULT_PROGRESS_TIMEOUT = 300.0

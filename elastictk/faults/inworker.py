@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Optional
 
+from ..timer.marksink import mark as _progress_mark
 from .collective import OP, block_in_collective, ensure_wrapped
 from .env import ENV_LOG, ENV_PLAN
 from .kinds import PlanError
@@ -74,6 +75,7 @@ def fault_point(step: int) -> None:
     """Perform the faults planned for this worker at ``step`` (see the module's docstring).
     Named apart from ``elastictk.metrics.checkpoint()``, which says a checkpoint was saved."""
     global _last_step, _level
+    _progress_mark()  # progress for the agent's hang judge (elastictk/metrics/marks.py)
     step = _step_number(step)
     if _level != USER:
         _take(USER, step)

@@ -128,6 +128,14 @@ class AgentMetrics:
                                "(its own time per step; set by the round's leader, reset when "
                                "workers start).", b + ["straggler_node"], registry=r)
         self._straggler_node = BoundedLabel(16)
+        self.hang_deadline = Gauge("elastictk_hang_deadline_seconds", "Learned hang deadline by kind of "
+                                   "progress (progress: any mark; step; section:NAME): how long a rank "
+                                   "may go without it (--hang-detection learned, docs/timers.md).",
+                                   b + ["kind"], registry=r)
+        self._deadline_kind = BoundedLabel(16)
+        self.stalls = Counter("elastictk_progress_stalls", "Times every rank of this node went past its "
+                              "learned deadline together, outside any hang (reported, not killed).",
+                              b, registry=r)
         self.remaining: Gauge | None = None
         if max_restarts is not None:
             Gauge("elastictk_max_restarts", "The restart budget (--max-restarts).", b,
@@ -159,7 +167,8 @@ class AgentMetrics:
             K.JOB_FINISHED: self._job_finished, K.JOB_FINISHED_ELSEWHERE: self._ended_elsewhere,
             K.SIGNALLED: self._signalled, K.STORE_LOST: self._job_failed,
             K.RENDEZVOUS_FAILED: self._job_failed, K.STRAGGLER: self._straggler,
-            K.RECOVERY: self._recovered,
+            K.RECOVERY: self._recovered, K.HANG_DEADLINE: self._hang_deadline,
+            K.PROGRESS_STALLED: lambda _now, _f: self.stalls.labels(*self.labels).inc(),
         }
         # Every kind, handled or (None) deliberately ignored: a new member must be placed here.
         self._handlers: Mapping[EventKind, Callable[[float, dict[str, Any]], None] | None] = {
@@ -283,6 +292,13 @@ class AgentMetrics:
             if _is_int(f.get(key)):
                 self._timer_scopes[f[key]] = scope
         self._failure(now)
+
+    def _hang_deadline(self, now: float, f: dict[str, Any]) -> None:
+        deadlines = f.get("deadlines")
+        if isinstance(deadlines, dict):
+            for kind, seconds in deadlines.items():
+                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                    self.hang_deadline.labels(*self.labels, self._deadline_kind(str(kind))).set(seconds)
 
     def _restart(self, now: float, f: dict[str, Any]) -> None:
         self.restarts.labels(*self.labels).inc()

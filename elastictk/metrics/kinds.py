@@ -29,7 +29,9 @@ class EventKind(str, enum.Enum):
     WORKERS_STOPPED = "workers_stopped"  # this node's workers were stopped, with the reason
     WORKER_FAILED = "worker_failed"  # a local worker failed (exit code, signal or timer)
     TIMER_EXPIRED = "timer_expired"  # a worker's watchdog timer expired; the worker is killed
-    HANG_DETECTED = "hang_detected"  # no step for --progress-timeout: stacks dumped, culprit killed
+    HANG_DETECTED = "hang_detected"  # a hung rank (learned or fixed deadline): stacks dumped, culprit killed
+    HANG_DEADLINE = "hang_deadline"  # the learned hang deadlines changed (field deadlines: kind -> s)
+    PROGRESS_STALLED = "progress_stalled"  # every rank past its learned deadline together: reported, not killed
     STRAGGLER = "straggler"  # the leader names a rank the others waited for (agent/stragglers.py)
     WORKER_FROZEN = "worker_frozen"  # in-place: a stopped (SIGSTOP'd) worker is killed to recover
     # failures and recovery

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = 0x6574_6B5F_7374_6570  # "etk_step"
-VERSION = 3  # 2: the straggler words (BLOCKED_SECONDS, BUSY_STEPS, BUSY_SECONDS); 3: FIRST/SECOND_STEP_MONO
+VERSION = 4  # 2: the straggler words (BLOCKED_SECONDS, BUSY_STEPS, BUSY_SECONDS); 3: FIRST/SECOND_STEP_MONO;
+# 4: the progress words (PROGRESS_MONO ... GAP0), elastictk/metrics/marks.py
 WORD = 8
 HEADER_WORDS = 16
 SLOT_WORDS = 64
@@ -53,16 +54,34 @@ BLOCKED_SECONDS = 33  # D: seconds inside torch.distributed calls made from Pyth
 BUSY_STEPS = 34  # timed steps that added to BUSY_SECONDS
 BUSY_SECONDS = 35  # D: their duration less the time blocked in collectives during them
 SECOND_STEP_MONO = 36  # D: see FIRST_STEP_MONO
+# Progress of any kind (elastictk/metrics/marks.py): a step, a completed collective, a
+# fault_point, a section's start or end. Each word is one aligned store, written without the
+# seqlock (a collective may end on another thread than the steps); the agent's hang judge
+# (elastictk/agent/hangjudge.py) needs no two of them to agree.
+PROGRESS_MONO = 37  # D: CLOCK_MONOTONIC of the latest progress mark
+PROGRESS_COUNT = 38  # progress marks, every process
+COLL_SINCE = 39  # D: when the collective this rank is inside began (0: in none)
+COLLECTIVES = 40  # collectives completed, every process
+SECTION_SINCE = 41  # D: when the user section this rank is inside began (0: in none)
+SECTION_NAME = 42  # 2 words: its name's first 16 UTF-8 bytes
+SECTIONS_DONE = 44  # sections completed, every process
+SECTION_LAST_S = 45  # D: the latest completed section's duration
+SECTION_LAST_NAME = 46  # 2 words: its name
+GAP0 = 48  # GAPS words: histogram of the gaps between progress marks (after warm-up)
+GAP_BOUNDS: tuple[float, ...] = tuple(0.0125 * 2 ** i for i in range(14))  # 12.5 ms .. 102.4 s
+GAPS = len(GAP_BOUNDS) + 1
 
 DOUBLES = frozenset({SECONDS, PROC_SECONDS, CKPT_SECONDS, LOST_SECONDS, LAST_STEP_WALL, LAST_STEP_MONO,
-                     BLOCKED_SECONDS, BUSY_SECONDS, FIRST_STEP_MONO, SECOND_STEP_MONO})
+                     BLOCKED_SECONDS, BUSY_SECONDS, FIRST_STEP_MONO, SECOND_STEP_MONO,
+                     PROGRESS_MONO, COLL_SINCE, SECTION_SINCE, SECTION_LAST_S})
 
 # Upper bounds (seconds) of the step-duration histogram; the last bucket is +Inf.
 STEP_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
 BUCKETS = len(STEP_BUCKETS) + 1
-assert BUCKET0 + BUCKETS <= BLOCKED_SECONDS and SECOND_STEP_MONO < SLOT_WORDS
+assert BUCKET0 + BUCKETS <= BLOCKED_SECONDS and SECOND_STEP_MONO < PROGRESS_MONO
+assert GAP0 + GAPS <= SLOT_WORDS
 
 
 def block_size(slots: int) -> int:
@@ -104,6 +123,16 @@ class SlotSnapshot:
     busy_seconds: float = 0.0
     first_step_mono: float = 0.0  # the attached process's first counted step (0: none yet)
     second_step_mono: float = 0.0  # and its second: the first whole step it timed
+    progress_mono: float = 0.0  # the latest progress mark of any kind (0: none yet)
+    progress_count: int = 0
+    coll_since: float = 0.0  # inside a collective since (0: not in one)
+    collectives: int = 0
+    section_since: float = 0.0  # inside a user section since (0: not in one)
+    section: str = ""
+    sections_done: int = 0
+    section_last_s: float = 0.0
+    section_last: str = ""
+    gaps: tuple[int, ...] = (0,) * GAPS
 
     @property
     def used(self) -> bool:
@@ -126,7 +155,7 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
     deadline = None
     while True:
         before = q[base + SEQ]
-        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(SECOND_STEP_MONO + 1)]
+        words: list[Any] = [d[base + i] if i in DOUBLES else q[base + i] for i in range(GAP0 + GAPS)]
         if before % 2 == 0 and q[base + SEQ] == before:
             break
         now = time.monotonic()
@@ -145,5 +174,27 @@ def read_slot(q: memoryview[int], d: memoryview[float], slot: int, *, patience: 
         buckets=tuple(int(w) for w in words[BUCKET0:BUCKET0 + BUCKETS]),
         blocked_seconds=words[BLOCKED_SECONDS], busy_steps=words[BUSY_STEPS],
         busy_seconds=words[BUSY_SECONDS], first_step_mono=words[FIRST_STEP_MONO],
-        second_step_mono=words[SECOND_STEP_MONO],
+        second_step_mono=words[SECOND_STEP_MONO], progress_mono=words[PROGRESS_MONO],
+        progress_count=words[PROGRESS_COUNT], coll_since=words[COLL_SINCE],
+        collectives=words[COLLECTIVES], section_since=words[SECTION_SINCE],
+        section=name_of(words[SECTION_NAME], words[SECTION_NAME + 1]),
+        sections_done=words[SECTIONS_DONE], section_last_s=words[SECTION_LAST_S],
+        section_last=name_of(words[SECTION_LAST_NAME], words[SECTION_LAST_NAME + 1]),
+        gaps=tuple(int(w) for w in words[GAP0:GAP0 + GAPS]),
     )
+
+
+def name_words(name: str) -> tuple[int, int]:
+    """A section name's first 16 UTF-8 bytes as two words (cut on a character boundary)."""
+    raw = name.encode("utf-8", "replace")[:16].decode("utf-8", "ignore").encode("utf-8").ljust(16, b"\0")
+    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+
+
+def name_of(w0: int, w1: int) -> str:
+    """What :func:`name_words` wrote (any bytes: a torn or foreign word reads as some text)."""
+    raw = int(w0).to_bytes(8, "little") + int(w1).to_bytes(8, "little")
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def gap_index(seconds: float) -> int:
+    return bisect.bisect_left(GAP_BOUNDS, seconds)

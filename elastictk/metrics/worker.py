@@ -56,6 +56,7 @@ from types import ModuleType, TracebackType
 from typing import Any, Mapping, Optional
 
 from .._onimport import OnImport, now_or_on_import
+from . import marks as _marks
 from .layout import (
     BLOCKED_SECONDS, BUCKET0, BUSY_SECONDS, BUSY_STEPS, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH,
     FIRST_STEP_MONO, H_EPOCH, H_MAGIC, H_SLOTS, H_VERSION,
@@ -136,6 +137,7 @@ class _Slot:
             d[b + BUSY_SECONDS] += max(0.0, seconds - blocked)
         d[b + LAST_STEP_WALL] = time.time()
         now = d[b + LAST_STEP_MONO] = time.monotonic()
+        _marks.note(q, d, b, now)
         if q[b + PROC_STEPS] <= 2:  # a recovery's restore and first step (agent/recovery.py)
             d[b + (FIRST_STEP_MONO if q[b + PROC_STEPS] == 1 else SECOND_STEP_MONO)] = now
         q[b + SEQ] += 1
@@ -190,6 +192,7 @@ def _open() -> _Slot | None:
     try:
         _slot = _Slot(path, int(os.environ.get("ELASTICTK_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or 0))
         _state = _ENABLED
+        _marks.bind(_slot)
         atexit.register(_finished)
     except (OSError, ValueError) as e:
         _state = _DISABLED
@@ -305,6 +308,7 @@ def _after_fork_in_child() -> None:
     global _state, _slot, _level, _lower
     _state = _DISABLED if _state == _ENABLED else _UNKNOWN
     _slot, _level, _lower = None, 0, []
+    _marks.bind(None)
 
 
 # -- automatic steps: the optimizer hook and run_elastic ---------------------------------------
@@ -327,7 +331,10 @@ def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
         attach_from_env()
     with _lock:
         _pending = now_or_on_import(OPTIM, "register_optimizer_step_post_hook", _register, _lock, _pending)
-    if env.get(ENV_COLLECTIVES) == "1":
+    if env.get(_marks.ENV_MARKS) == "1":  # progress beyond steps (--hang-detection learned)
+        _marks.enable()
+        _ready()
+    if env.get(ENV_COLLECTIVES) == "1" or env.get(_marks.ENV_MARKS) == "1":
         time_collectives()
     return True
 
@@ -405,11 +412,15 @@ def _timed(fn: Any, only_after_ddp: bool = False) -> Any:
             return fn(*args, **kwargs)
         _depth += 1
         start = mono()
+        if _marks._enabled:
+            _marks.collective_entered()
         try:
             return fn(*args, **kwargs)
         finally:
             _blocked += mono() - start
             _depth -= 1
+            if _marks._enabled:
+                _marks.collective_left()
     return call
 
 

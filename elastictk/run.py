@@ -84,15 +84,20 @@ def main(argv: Sequence[str] | None = None, *, exits: bool = False) -> int:
 def _requeue() -> None:
     """``--requeue`` after a pre-emption: one node asks Slurm (task 0 of the step, so the job is
     not requeued once per node); how it went is one line, and the exit code stays 75."""
-    job, task = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_PROCID", "0")
-    if not job:
+    from .slurm import SlurmEnvError, job_id, requeue
+
+    if not os.environ.get("SLURM_JOB_ID"):
         log.warning("--requeue: not a Slurm job (no SLURM_JOB_ID); nothing asked")
         return
-    if task != "0":
-        log.info("--requeue: task 0 of the step asks Slurm to requeue job %s (this is task %s)", job, task)
+    try:
+        job = job_id(os.environ)
+    except SlurmEnvError as e:
+        log.warning("--requeue: %s", e)
         return
-    from .slurm import requeue
-
+    task = os.environ.get("SLURM_PROCID", "0")
+    if task != "0":
+        log.info("--requeue: task 0 of the step asks Slurm to requeue job %s (this is task %r)", job, task[:20])
+        return
     answer = requeue(job)
     log.log(logging.INFO if answer.ok else logging.WARNING, "%s", answer.line)
 
@@ -128,10 +133,16 @@ def _await_store_host(config: LaunchConfig) -> None:
 
 def _slurm_drain(config: LaunchConfig, agent_config: "AgentConfig") -> None:
     """``--slurm-drain``: the agent's events drain this node (SLURMD_NODENAME) in Slurm."""
-    node = os.environ.get("SLURMD_NODENAME")
-    if not config.slurm_drain or not node:
+    if not config.slurm_drain or not os.environ.get("SLURMD_NODENAME"):
         return  # outside Slurm --slurm-drain was already said to do nothing
     from .agent.slurm_drain import drain_on_exclusion
+    from .slurm import SlurmEnvError, this_node
+
+    try:  # checked at start too (exit 2); a library caller's config may skip that
+        node = this_node(os.environ)
+    except SlurmEnvError as e:
+        log.warning("--slurm-drain: %s", e)
+        return
 
     agent_config.on_event = drain_on_exclusion(node, agent_config.on_event)
 

@@ -73,6 +73,9 @@ RUN_CASES = [
     ([*C10D, "--rdzv-id", "a\nb"], ["--rdzv-id 'a\\nb'", "control character"]),
     ([*C10D, "--rdzv-id", "a\x01b"], ["--rdzv-id 'a\\x01b'", "control character"]),
     ([*C10D, "--rdzv-id", "j" * 200], ["--rdzv-id", "200 bytes long, at most 128"]),
+    (["--straggler-interval", "1e-9"], ["--straggler-interval 1e-9", "at least 0.1"]),
+    (["--local-addr", "999.1.1.1"], ["--local-addr 999.1.1.1", "not an IPv4 address"]),
+    (["--local-addr", "nohost.invalid"], ["--local-addr nohost.invalid", "cannot resolve host"]),
 ]
 
 
@@ -275,6 +278,19 @@ LAUNCH_CASES = [
      ["training script '{dir}' is a directory", "__main__.py"]),
     ("snapshot-dir-a-file", ["--snapshot-dir", "{file}", "{script}"],
      ["--snapshot-dir {file}", "is not a directory"]),
+    # root passes os.access on /proc: was accepted, and the disk tier failed after training
+    ("snapshot-dir-in-proc", ["--snapshot-dir", "/proc/x", "{script}"],
+     ["--snapshot-dir /proc/x", "cannot create a directory in /proc"]),
+    # every user writes /tmp: the first fix is a private subdirectory, not chmod go-w /tmp
+    ("snapshot-dir-tmp", ["--snapshot-dir", "/tmp", "{script}"],
+     ["--snapshot-dir /tmp", "private subdirectory, e.g. --snapshot-dir /tmp/", "(created mode 0700)"]),
+    # exit 127/126 at every check kept the node out of its job forever
+    ("health-check-missing", ["--health-check", "{tmp}/no-such-check", "{script}"],
+     ["--health-check '{tmp}/no-such-check'", "does not exist", "127"]),
+    ("health-check-not-on-path", ["--health-check", "no-such-check-xyz --gpu", "{script}"],
+     ["no-such-check-xyz is not on PATH", "127"]),
+    ("health-check-not-executable", ["--health-check", "{file}", "{script}"],
+     ["{file} is not executable", "chmod +x"]),
     ("static-min-max", ["--nnodes", "1:2", "--master-port", "29556", "{script}"],
      ["--nnodes 1:2", "static", "fixed", "--rdzv-backend c10d"]),
 ]
@@ -304,3 +320,9 @@ def test_launch_refuses_with_one_line_before_any_worker(tmp_path: Path, tiny: Pa
         r = subprocess.CompletedProcess(r.args, r.returncode, r.stdout, rest)
     assert_one_line(r, "elastictk-run", *map(fill, names))
     assert "tiny worker ran" not in r.stdout and took < 20, took
+
+def test_version_prints_the_version_and_exits_0(tmp_path: Path) -> None:
+    from elastictk import __version__
+
+    r = cli("elastictk.run", "--version", cwd=tmp_path)
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (0, f"elastictk-run {__version__}", ""), r

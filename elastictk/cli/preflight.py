@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import tempfile
 from typing import Protocol
 
@@ -33,6 +34,8 @@ class Where(Protocol):
     def master_port(self) -> int: ...
     @property
     def standalone(self) -> bool: ...
+    @property
+    def local_addr(self) -> str | None: ...
 
 
 def check_writable_dir(path: str, flag: str, named: str | None = None) -> None:
@@ -59,6 +62,69 @@ def check_writable_dir(path: str, flag: str, named: str | None = None) -> None:
     except OSError as e:
         raise UsageError(f"{at}: cannot create a directory in {probe} "
                          f"({e.strerror or e}); pick a writable directory") from None
+
+
+def shared_dir_first_fix(path: str, flag: str) -> None:
+    """A directory every user may write in (``/tmp``, mode 1777) named where elastictk needs one
+    only this user can write: the fix offered first is a private subdirectory of it (created
+    mode 0700), never making the shared directory unwritable for everyone else."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IWOTH:
+        return
+    user = _user_name()
+    raise UsageError(f"{flag} {path}: every user can write in {path} (mode "
+                     f"{stat.S_IMODE(st.st_mode):04o}), and this needs a directory only you can "
+                     f"write; give a private subdirectory, e.g. {flag} "
+                     f"{os.path.join(path, f'{user}-elastictk')} (created mode 0700)")
+
+
+#: First words ``sh`` runs itself (builtins, keywords): what they do is the shell's to judge.
+SHELL_WORDS = frozenset(
+    "! . : [ [[ alias break case cd command continue echo eval exec exit export false for if "
+    "kill local printf pwd read return set shift source test times trap true type ulimit umask "
+    "unset until wait while { (".split())
+
+
+def check_health_command(command: str) -> None:
+    """``--health-check``'s program exists and is executable: a missing one exits 127 (126 not
+    executable) at every check, which kept the node out of its job forever, counted as a bad
+    node. Judged on the command's first word as ``sh`` finds it (PATH, or a path); a command
+    that starts with shell syntax (a builtin, ``VAR=x``, ``$(...)``) is left to the shell."""
+    import shlex
+    import shutil
+
+    try:
+        words = shlex.split(command)
+    except ValueError as e:
+        raise UsageError(f"--health-check {command!r}: not a shell command ({e}); quote it as "
+                         "one argument, e.g. --health-check 'nvidia-smi -L'") from None
+    first = words[0] if words else ""
+    if not first or first in SHELL_WORDS or any(ch in first for ch in "$`(){}=;|&<>*?~"):
+        return
+    if "/" not in first:
+        if shutil.which(first) is None:
+            raise UsageError(f"--health-check {command!r}: {first} is not on PATH (the shell would "
+                             "exit 127 at every check, and the node would never join); give the "
+                             "program's full path or install it")
+        return
+    if not os.path.isfile(first):
+        raise UsageError(f"--health-check {command!r}: {first} does not exist (the shell would exit "
+                         "127 at every check, and the node would never join); give the right path")
+    if not os.access(first, os.X_OK):
+        raise UsageError(f"--health-check {command!r}: {first} is not executable (the shell would "
+                         f"exit 126 at every check); run chmod +x {first}, or start it with sh")
+
+
+def _user_name() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid{os.geteuid()}"
 
 
 def check_event_log(path: str) -> None:
@@ -90,6 +156,7 @@ def check_endpoint_hosts(config: Where) -> None:
     """Every rendezvous host name resolves. Without this an unknown name fails later and
     worse: a c10d host told ``is_host=true`` waits out torch's connect timeout (a minute) and
     prints a C++ log line; a client fails after the store's own retries."""
+    _check_local_addr(config.local_addr)
     if config.standalone or config.rdzv_backend == "file":
         return
     members = config.rdzv_endpoints or ((config.rdzv_endpoint,) if config.rdzv_endpoint else ())
@@ -103,6 +170,21 @@ def check_endpoint_hosts(config: Where) -> None:
             where = f"--rdzv-endpoint {config.rdzv_endpoint if len(members) == 1 else ep}"
         raise UsageError(f"{where}: cannot resolve host {ep.host} ({problem}); check the name, "
                          "or give the address of the node that hosts the store")
+
+
+def _check_local_addr(addr: str | None) -> None:
+    """``--local-addr`` is an address or a name that resolves: a host that hosts the store
+    binds it (an unknown one spent torch's 30 s connect timeout, then blamed the port)."""
+    if addr is None:
+        return
+    labels = addr.split(".")
+    if len(labels) == 4 and all(x.isdigit() for x in labels) and any(int(x) > 255 for x in labels):
+        raise UsageError(f"--local-addr {addr}: not an IPv4 address (each of its four numbers is "
+                         "0-255); give this node's address or host name as its peers reach it")
+    problem = _resolve_problem(Endpoint(addr, 0))
+    if problem is not None:
+        raise UsageError(f"--local-addr {addr}: cannot resolve host {addr} ({problem}); give this "
+                         "node's address or host name as its peers reach it")
 
 
 def _resolve_problem(ep: Endpoint) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable
 
-from ..slurm import SlurmEnvError, launch_defaults, read, scontrol_hostnames
+from ..slurm import SlurmEnvError, job_id, launch_defaults, read, scontrol_hostnames, this_node
 from .nodes import Flags
 from .values import UsageError, parse_signals
 
@@ -77,6 +77,7 @@ def slurm_flags(c: Flags) -> dict[str, Any]:
         if on and not in_slurm:
             c.warnings.append(f"{flag} asks Slurm to {what}, and this is not a Slurm job (no "
                               "SLURM_JOB_ID): nothing will be asked")
+    _check_scontrol_args(c, requeue and in_slurm, drain and in_slurm and bool(c.env.get("SLURMD_NODENAME")))
     if drain and in_slurm and not c.env.get("SLURMD_NODENAME"):
         c.warnings.append("--slurm-drain drains this node by its Slurm name, and SLURMD_NODENAME is not "
                           "set (run elastictk-run under srun): nothing will be drained")
@@ -84,3 +85,15 @@ def slurm_flags(c: Flags) -> dict[str, Any]:
         c.warnings.append("--slurm-drain drains a node excluded by --exclude-after or failing "
                           "--health-check, and neither is given: nothing will be drained")
     return dict(preempt_signal=sig, requeue=requeue, slurm_drain=drain)
+
+
+def _check_scontrol_args(c: Flags, requeue: bool, drain: bool) -> None:
+    """What ``--requeue`` and ``--slurm-drain`` would hand to scontrol, checked now (in a job
+    step or an sbatch batch step alike): a bad one is one line, exit 2, not a later
+    ``scontrol requeue 4242,4243`` or ``NodeName=ALL``."""
+    for on, flag, read_it in ((requeue, "--requeue", job_id), (drain, "--slurm-drain", this_node)):
+        if on:
+            try:
+                read_it(c.env)
+            except SlurmEnvError as e:
+                raise UsageError(f"{flag}: {e}") from None

@@ -8,10 +8,10 @@ agent's ``--slurm-drain`` listener asks for the drain. See docs/slurm.md.
 from .defaults import LaunchDefaults, launch_defaults, node_id, store_port
 from .env import SlurmEnvError, SlurmJob, read, under_srun
 from .nodelist import MAX_HOSTS, NodelistError, expand, scontrol_hostnames
-from .scontrol import Answer, drain, drain_reason, requeue
+from .scontrol import Answer, drain, drain_reason, job_id, requeue, this_node
 
 __all__ = [
     "Answer", "LaunchDefaults", "MAX_HOSTS", "NodelistError", "SlurmEnvError", "SlurmJob", "drain",
-    "drain_reason", "expand", "launch_defaults", "node_id", "read", "requeue", "scontrol_hostnames",
-    "store_port", "under_srun",
+    "drain_reason", "expand", "job_id", "launch_defaults", "node_id", "read", "requeue",
+    "scontrol_hostnames", "store_port", "this_node", "under_srun",
 ]

@@ -19,6 +19,9 @@ import subprocess
 #: Slurm's own limit on nodes in a job is 65,533 (MAX_SLURM_NODES is 64k); a list expanding
 #: to more is not one Slurm wrote.
 MAX_HOSTS = 65536
+#: Digits in one number of a bracket: Slurm keeps them in 64 bits. Longer is not Slurm's, and
+#: Python refuses to read an int of more than 4,300 digits (a ValueError, not this module's).
+MAX_DIGITS = 18
 _NAME = re.compile(r"[A-Za-z0-9._-]*")
 _NUMBER = re.compile(r"[0-9]+")
 
@@ -95,6 +98,10 @@ def _expand_bracket(body: str, text: str) -> list[str]:
         if not _NUMBER.fullmatch(lo) or (dash and not _NUMBER.fullmatch(hi)):
             raise NodelistError(f"{text!r}: [{body}] holds {piece!r}, not a number or a range "
                                 "like 01-03")
+        longest = max(lo, hi, key=len)
+        if len(longest) > MAX_DIGITS:
+            raise NodelistError(f"{text[:80]!r}: [{body[:40]}...] holds a number of {len(longest)} "
+                                f"digits, and Slurm's have at most {MAX_DIGITS}")
         if not dash:
             out.append(lo)
             continue

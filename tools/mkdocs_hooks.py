@@ -53,13 +53,54 @@ def _api_page(package: str) -> str:
     return "\n".join(lines)
 
 
+# What ``import elastictk`` itself offers (lazily: elastictk/__init__.py); each is documented
+# under its short name, where users meet it, from the module that defines it.
+TOP_NAMES = ("State", "run_elastic", "record", "section")
+# Sphinx roles and literal-block markers that docstrings use: shown as code and a colon on the site.
+_ROLE = re.compile(r":(?:data|func|class|meth|attr|mod|obj|exc|const):(?=<code>)")
+_LITERAL = re.compile(r"::(?=</p>)")
+
+
+def _top_page() -> str:
+    import elastictk
+
+    lines = ["# elastictk", "", "What `import elastictk` offers; the packages below it are in the "
+             "[API reference](index.md).", ""]
+    for name in TOP_NAMES:
+        obj = getattr(elastictk, name, None)
+        if obj is None:
+            continue
+        lines += [f"## elastictk.{name}", "", f"Defined in `{obj.__module__}`.", "",
+                  f"::: {obj.__module__}.{name}", "    options:", "      show_root_full_path: false",
+                  "      heading_level: 3", ""]
+    return "\n".join(lines)
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """The API reference in the sidebar: one page per package face, after the top-level names."""
+    nav = config.nav or []
+    for i, entry in enumerate(nav):
+        if isinstance(entry, dict) and "API reference" in entry:
+            nav[i] = {"API reference": ["api/index.md", {"elastictk": "api/elastictk.md"},
+                                        *({f"elastictk.{p}": f"api/{p}.md"} for p in PACKAGES)]}
+    return config
+
+
+def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files, **_: Any) -> str:
+    if page.file.src_uri.startswith("api/"):
+        html = _LITERAL.sub(":", _ROLE.sub("", html).replace("<p>::</p>", ""))
+    return html
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     readme = (ROOT / "README.md").read_text()
     files.append(File.generated(config, "index.md", content=readme))
     files.append(File.generated(config, "api/index.md", content="\n".join(
         ["# API reference", "",
          "Generated from the docstrings of each package's public names (its `__all__`).", ""]
+        + ["- [`elastictk`](elastictk.md): `State`, `run_elastic`, `record`"]
         + [f"- [`elastictk.{p}`]({p}.md)" for p in PACKAGES])))
+    files.append(File.generated(config, "api/elastictk.md", content=_top_page()))
     for package in PACKAGES:
         files.append(File.generated(config, f"api/{package}.md", content=_api_page(package)))
     outside: set[str] = set()

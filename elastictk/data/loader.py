@@ -28,7 +28,13 @@ from .sampler import ElasticSampler, _Pass
 
 
 class DataLoader(torch.utils.data.DataLoader):
-    """``torch.utils.data.DataLoader`` with an ``ElasticSampler`` counted exactly (see module)."""
+    """``torch.utils.data.DataLoader`` with an ``ElasticSampler`` counted exactly (see module).
+
+    ``DataLoader(dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+    num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, ...)``: torch's arguments,
+    unchanged. With an ``ElasticSampler`` it needs ``batch_size`` (the per-rank batch size, given
+    to the sampler if it has none) and takes ``drop_last`` from the sampler instead.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -70,6 +70,12 @@ class ElasticSampler(Sampler[int]):
         for epoch in range(sampler.epoch, epochs):
             sampler.set_epoch(epoch)
             for batch in loader: ...
+
+    ``epoch`` is the epoch the sampler is in (restored by ``state.restore()``, moved by
+    ``set_epoch``); ``position`` is how many of its samples all ranks together have trained.
+    Torch's own ``DataLoader(dataset, batch_size=B, sampler=sampler)`` works as it does with
+    ``DistributedSampler`` (exact with ``num_workers=0``); ``elastictk.data.DataLoader`` (same
+    arguments) is exact with workers too, as it counts the batches the loop took.
     """
 
     def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,

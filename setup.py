@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="elastictk",
-    version="0.1.0",
+    version="0.3.0",
     description="Fault-tolerant, elastic distributed PyTorch training: stores, rendezvous, "
     "supervisor, watchdog timers, metrics and fault injection",
     long_description=open("README.md", encoding="utf-8").read(),

@@ -4,7 +4,7 @@ A worker imports ``elastictk.supervisor`` on its way to the child set-up and ``e
 for ``step()``; ``elastictk-run`` imports ``elastictk.agent`` before torch so the fork server's
 import of torch overlaps its own. None of them should pay for the heavy modules behind the
 names they do not use, so each package's ``__getattr__`` is :func:`exports` over a table of
-name → submodule (and, for one release, names that moved away: see ``_moved``).
+name → submodule.
 """
 from __future__ import annotations
 
@@ -13,17 +13,12 @@ import sys
 from typing import Any, Callable, Mapping
 
 
-def exports(package: str, table: Mapping[str, str],
-            moved: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+def exports(package: str, table: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: ``table`` maps a name to the (relative)
-    submodule defining it; ``moved`` maps old names to the module they moved to."""
+    submodule defining it."""
     def __getattr__(name: str) -> Any:
         module = table.get(name)
         if module is None:
-            if moved:
-                from ._moved import moved_attribute
-
-                return moved_attribute(package, name, dict(moved))
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module, package), name)
         setattr(sys.modules[package], name, value)  # found directly from now on

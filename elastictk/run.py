@@ -256,10 +256,7 @@ def __getattr__(name: str) -> object:
         from .agent.failed import WorkersFailed
 
         return WorkersFailed
-    from ._moved import moved_attribute
-
-    return moved_attribute(__name__, name, dict.fromkeys(
-        ("build_agent", "start_preload", "worker_start_method"), "elastictk.agent.launch"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def console_main() -> None:

@@ -12,8 +12,8 @@
   page says (docs/chaos.md: either program's flags).
 - Every relative link (and its #anchor) and every repository path in backticks points to a
   file that exists and is not an old, redirecting module path.
-- Every dotted ``elastictk.x.y`` name imports without a DeprecationWarning, except in the
-  old → new table of docs/launcher-authors.md, whose old paths must warn and name the new one.
+- Every dotted ``elastictk.x.y`` name imports; in the old → new table of CHANGELOG.md each old
+  path no longer imports and each new one does.
 - docs/architecture.md: its layers are pyproject.toml's, it names every module, and every
   function its store-key table and its change map name exists in the file they name.
 - docs/metrics.md lists every event kind; every ``python -m bench NAME`` is a benchmark.
@@ -391,8 +391,6 @@ def test_relative_links_and_paths_exist(page: Path) -> None:
     for path in REPO_PATH.findall(page.read_text()):
         if not (ROOT / path).exists():
             broken.append(f"path `{path}` does not exist")
-        elif path.endswith(".py") and path.startswith("elastictk/") and is_shim(ROOT / path):
-            broken.append(f"path `{path}` is an old path that only redirects: name the new module")
     assert not broken, f"{page.name}: " + "; ".join(broken)
 
 
@@ -445,20 +443,17 @@ def resolve_all(names: list[str]) -> dict[str, Resolved]:
 
 
 def doc_names() -> dict[str, str]:
-    """Dotted names in the docs (but the old → new table), each with the first page naming it."""
+    """Dotted names in the docs, each with the first page naming it."""
     names: dict[str, str] = {}
     for page in PAGES:
-        text = page.read_text()
-        if page.name == "launcher-authors.md":
-            _, text = region(text, "moved-paths")
-        for name in DOTTED.findall(text):
+        for name in DOTTED.findall(page.read_text()):
             names.setdefault(name, page.name)
     return names
 
 
 def moved_rows() -> list[list[str]]:
-    """The old → new table: [old, new, ...] per row."""
-    table, _ = region((ROOT / "docs" / "launcher-authors.md").read_text(), "moved-paths")
+    """CHANGELOG.md's old → new table: [old, new, ...] per row."""
+    table, _ = region((ROOT / "CHANGELOG.md").read_text(), "moved-paths")
     return [re.findall(r"`(elastictk[\w.]*)`", ln) for ln in table.splitlines() if ln.startswith("| `")]
 
 
@@ -485,23 +480,14 @@ def test_every_dotted_name_in_the_docs_imports_from_its_current_path(
     assert not bad, "\n".join(bad)
 
 
-def names_the_same(new: str, target: str) -> bool:
-    """Whether the warning's new path ``target`` is the table's ``new``: the same module, or the
-    same name where a package re-exports it (``elastictk.agent.build_agent`` for
-    ``elastictk.agent.launch.build_agent``)."""
-    package, _, leaf = new.rpartition(".")
-    return new in target or (target.startswith(package + ".") and target.endswith("." + leaf))
-
-
-def test_the_old_paths_table_lists_real_redirects(resolved: dict[str, Resolved]) -> None:
+def test_the_changelogs_old_paths_are_gone_and_their_new_ones_import(
+        resolved: dict[str, Resolved]) -> None:
     rows = moved_rows()
     assert len(rows) >= 15
     for old, *new in rows:
         got = resolved[old]
-        assert got.error is None, f"{old}: {got.error}"
-        assert got.moved, f"{old} imports without a DeprecationWarning: drop it from the table"
-        target = got.moved[0].split(" moved to ", 1)[-1].split(";")[0]
-        assert all(names_the_same(n, target) for n in new), f"{old} warns {got.moved[0]!r}, the table says {new}"
+        assert got.error is not None and ("ModuleNotFoundError" in got.error or "AttributeError" in got.error), \
+            f"{old} still imports ({got}): it was removed in 0.3"
         for n in new:
             assert resolved[n].error is None and not resolved[n].moved, f"{n}: {resolved[n]}"
 
@@ -527,11 +513,6 @@ def test_the_layers_are_pyprojects() -> None:
         "docs/architecture.md's layers differ from [tool.importlinter] in pyproject.toml"
 
 
-def is_shim(path: Path) -> bool:
-    """An old import path kept for one release (it only redirects)."""
-    return bool(re.search(r"^(redirect|warn_moved)\(__name__", path.read_text(), re.M))
-
-
 def test_architecture_names_every_module() -> None:
     sections = re.split(r"^### ", prose(ARCH), flags=re.M)
     by_package: dict[str, str] = {}
@@ -555,7 +536,7 @@ def test_architecture_names_every_module() -> None:
         if section is None:
             missing.append(f"a section `### elastictk/{package}`")
         elif f"`{inside}`" not in section:
-            missing.append(f"elastictk/{rel}" + (" (an old path: list it under 'Old path')" if is_shim(path) else ""))
+            missing.append(f"elastictk/{rel}")
     assert not missing, "docs/architecture.md does not describe: " + ", ".join(missing)
 
 

@@ -1,9 +1,8 @@
-"""The package layout's promises: old import paths keep working for one release (same objects,
-with a DeprecationWarning naming the new path), the launcher imports no torch before its fork
-server starts, and the death watch runs as a bare script beside procfs.py."""
+"""The package layout's promises: the old import paths are gone in 0.3 (CHANGELOG.md lists them;
+tests/test_docs.py checks that table), the launcher imports no torch before its fork server
+starts, and the death watch runs as a bare script beside procfs.py."""
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import warnings
@@ -12,63 +11,25 @@ from pathlib import Path
 import pytest
 
 import elastictk
+import elastictk.faults as faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MOVED_MODULES = {
-    "elastictk.supervisor.agent": "elastictk.agent.elastic",
-    "elastictk.supervisor.coordination": "elastictk.agent.coordination",
-    "elastictk.supervisor.policy": "elastictk.agent.policy",
-    "elastictk.supervisor.watchdog": "elastictk.agent.watchdog",
-    "elastictk.supervisor.address": "elastictk.agent.address",
-    "elastictk.supervisor.inplace": "elastictk.agent.inplace",
-    "elastictk.supervisor.inplace_setup": "elastictk.agent.inplace_host",
-    "elastictk.supervisor.reaper": "elastictk.lifetime.reaper",
-    "elastictk.supervisor.deathwatch": "elastictk.lifetime.deathwatch",
-    "elastictk.store.etcd_server": "elastictk.testing.etcd",
-    "elastictk.metrics.promserver": "elastictk.testing.prometheus",
-}
 
-MOVED_NAMES = [
-    ("elastictk.store", "EtcdServer", "elastictk.testing.etcd"),
-    ("elastictk.metrics", "PrometheusServer", "elastictk.testing.prometheus"),
-    ("elastictk.run", "build_agent", "elastictk.agent.launch"),
-    ("elastictk.run", "start_preload", "elastictk.agent.launch"),
-    ("elastictk.supervisor.report", "WorkerGroupFailed", "elastictk.supervisor.report_text"),
-]
+def test_no_module_only_redirects_to_another() -> None:
+    """A module whose body is an import-and-alias of another is a shim: there are none."""
+    shims = [str(p.relative_to(ROOT)) for p in (ROOT / "elastictk").rglob("*.py")
+             if "redirect(__name__" in p.read_text() or "warn_moved(" in p.read_text()]
+    assert shims == []
 
 
-def _fresh_import(name: str) -> tuple[object, list[warnings.WarningMessage]]:
-    """Import ``name`` in a subprocess-free way that still runs its body: drop it first."""
-    sys.modules.pop(name, None)
-    parent, _, child = name.rpartition(".")
-    if parent in sys.modules and hasattr(sys.modules[parent], child):
-        delattr(sys.modules[parent], child)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(name)
-    return module, caught
-
-
-@pytest.mark.parametrize("old,new", sorted(MOVED_MODULES.items()))
-def test_an_old_module_path_is_the_new_module_with_a_warning(old: str, new: str) -> None:
-    module, caught = _fresh_import(old)
-    assert module is importlib.import_module(new)
-    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert any(old in m and new in m for m in messages), messages
-    assert all(w.filename == __file__ for w in caught if old in str(w.message)), \
-        "the warning must point at the importing line, not at elastictk"
-
-
-@pytest.mark.parametrize("package,name,new", MOVED_NAMES)
-def test_an_old_name_is_the_new_object_with_a_warning(package: str, name: str, new: str) -> None:
-    module = importlib.import_module(package)
-    vars(module).pop(name, None)  # forget an earlier access in this process
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = getattr(module, name)
-    assert value is getattr(importlib.import_module(new), name)
-    assert any(f"{package}.{name}" in str(w.message) for w in caught)
+def test_fault_point_is_the_one_name_and_quiet() -> None:
+    """``elastictk.faults.checkpoint`` (read as ``elastictk.metrics.checkpoint``) is gone."""
+    assert "fault_point" in faults.__all__ and "checkpoint" not in faults.__all__
+    assert not hasattr(faults, "checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        faults.fault_point(0)  # no plan in this process: a no-op
 
 
 def test_an_unknown_name_is_still_an_attribute_error() -> None:

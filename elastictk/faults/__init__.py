@@ -8,11 +8,11 @@ A training loop opts in to step-exact faults with one call, a no-op unless a cha
         elastictk.faults.fault_point(step)
 """
 from .generate import generate, generate_plan
-from .inworker import InjectedFault, checkpoint, fault_point
+from .inworker import InjectedFault, fault_point
 from .kinds import KINDS, FaultKindError, PlanError
 from .knobs import Knobs
 from .plan import Fault, FaultPlan, plan_of
 from .target import Target
 
-__all__ = ["fault_point", "checkpoint", "InjectedFault", "Fault", "FaultPlan", "plan_of", "Target", "Knobs",
+__all__ = ["fault_point", "InjectedFault", "Fault", "FaultPlan", "plan_of", "Target", "Knobs",
            "generate", "generate_plan", "KINDS", "PlanError", "FaultKindError"]

@@ -312,12 +312,3 @@ def _reset() -> None:
         _next, _due, _who, _level, hang_armed = -math.inf, [], {}, 0, None
         _plan, _last_step, _reported = None, None, False
         _fired.clear()
-
-
-def checkpoint(step: int) -> None:
-    """The old name of :func:`fault_point`, kept for one release with a warning (it read as
-    ``elastictk.metrics.checkpoint()``, which does something else)."""
-    from .._moved import warn_moved
-
-    warn_moved("elastictk.faults.checkpoint", "elastictk.faults.fault_point")
-    fault_point(step)

@@ -23,12 +23,10 @@ _LAZY = {
     "Telemetry": ".telemetry", "TelemetryError": ".telemetry",
 }
 
-_MOVED = ("PrometheusError", "PrometheusNotInstalled", "PrometheusServer")
-
 __all__ = sorted([*_LAZY, "ENV_PATH", "StepTimer", "checkpoint", "enabled", "step", "step_timer"])
 
 
-__getattr__ = exports(__name__, _LAZY, dict.fromkeys(_MOVED, "elastictk.testing.prometheus"))
+__getattr__ = exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:

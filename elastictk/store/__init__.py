@@ -31,6 +31,4 @@ def __getattr__(name: str) -> object:
         from .tcp import TCPStore
 
         return TCPStore
-    from .._moved import moved_attribute
-
-    return moved_attribute(__name__, name, {"EtcdServer": "elastictk.testing.etcd"})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

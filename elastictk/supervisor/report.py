@@ -312,13 +312,6 @@ class FailureReport:
         return (f"{self.title}: {len(self.failures)} of {self.total_workers} workers; "
                 f"first: {root.cause()}")
 
-    def render(self) -> str:
-        """Deprecated: ``elastictk.supervisor.report_text.render_text(report)``, which keeps
-        the wording apart from the data (this method goes in elastictk 0.3)."""
-        from .._moved import moved_call
-
-        return str(moved_call("FailureReport.render()", "elastictk.supervisor.report_text:render_text", self))
-
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA, "title": self.title, "hostname": self.hostname,
@@ -336,10 +329,3 @@ class FailureReport:
             title=str(d.get("title", "worker group failed")),
             restart_count=d.get("restart_count"), notes=tuple(d.get("notes") or ()),
         )
-
-
-def __getattr__(name: str) -> object:
-    from .._moved import moved_attribute
-
-    return moved_attribute(__name__, name, dict.fromkeys(
-        ("WorkerGroupFailed", "render_report"), "elastictk.supervisor.report_text"))

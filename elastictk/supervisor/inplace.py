@@ -1,4 +1,0 @@
-"""Deprecated: moved to :mod:`elastictk.agent.inplace` (this path works for one more release)."""
-from elastictk._moved import redirect
-
-redirect(__name__, "elastictk.agent.inplace")

@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastictk.store import (
+    Deadline,
     Endpoint,
     EndpointError,
     EtcdStore,
@@ -29,6 +30,7 @@ from elastictk.store import (
     StoreUnreachable,
     free_port,
 )
+from elastictk.store.base import _BACKOFF_CAP, _BACKOFF_FIRST, Backoff
 from elastictk.store.etcd import LeaseExpired, parse_endpoints, range_end
 from elastictk.testing.etcd import EtcdCluster, EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
 from tests.helpers.store_contract import StoreContract
@@ -103,6 +105,31 @@ def test_a_counter_that_is_not_a_number_is_an_error(store: EtcdStore) -> None:
     store.set("c", b"abc")
     with pytest.raises(StoreError, match="not a decimal counter"):
         store.add("c", 1)
+
+
+def test_adding_zero_is_a_read_that_writes_nothing(store: EtcdStore) -> None:
+    assert store.add("absent", 0) == 0
+    assert store.try_get("absent") == b"0"  # created once, as every backend does
+    store.add("c", 3)
+    revision = lambda: int(store._call("/v3/kv/range", {"key": "AA=="})["header"]["revision"])  # noqa: E731
+    rev, before = revision(), store.requests
+    assert store.add("c", 0) == 3
+    assert store.requests - before == 1  # one range, no transaction
+    assert revision() == rev  # nothing written
+    store.set("bad", b"abc")
+    with pytest.raises(StoreError, match="not a decimal counter"):
+        store.add("bad", 0)
+
+
+@given(st.lists(st.floats(0.0, 5.0), min_size=1, max_size=30))
+def test_backoff_pauses_grow_up_to_a_cap_and_never_past_the_deadline(lefts: list[float]) -> None:
+    slept: list[float] = []
+    pause = Backoff(sleep=slept.append)
+    for i, left in enumerate(lefts):
+        pause.sleep(Deadline(left))
+        bound = min(_BACKOFF_FIRST * 2 ** i, _BACKOFF_CAP)
+        assert 0.0 <= slept[-1] <= min(bound, left) + 1e-9
+    assert pause.tries == len(lefts) and _BACKOFF_CAP <= 0.1
 
 
 def test_closed_store_refuses_calls(store: EtcdStore) -> None:

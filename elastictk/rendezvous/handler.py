@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..store import PrefixStore, Store, StoreTimeout
+from ..store.base import Backoff
 from .auth import ALG, Signer
 from .config import RendezvousConfig
 from .decide import Arrival, Close, Fail, Hold, RoundView, Wait, decide, round_to_join
@@ -60,6 +61,8 @@ class RoundInfo:
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
+
+_ROUNDS_CAP = 2**53  # no job runs more rounds; a counter past it is garbage, clamped
 
 # The longest a waiting node takes to notice ``interrupt()`` (each wait is sliced to it).
 INTERRUPT_LATENCY = 0.5
@@ -264,11 +267,12 @@ class RendezvousHandler:
 
     def _open_round(self, floor: int) -> int:
         """The round to join; never below ``floor`` (a round that already closed without us)."""
-        latest = self.store.add("latest", 0)  # also creates the counter, so the CAS below can match
+        raw = self.store.try_get("latest")  # a read: joiners never race to write it
+        latest = parse_counter(raw, _ROUNDS_CAP)
         closed = latest > 0 and self._read_result(latest) is not None
         n = max(round_to_join(latest, closed), floor)
-        if n > latest:
-            self.store.compare_set("latest", str(latest).encode(), str(n).encode())
+        if n > latest:  # one try: whoever loses saw a newer round opened by another node
+            self.store.compare_set("latest", raw, str(n).encode())
         return n
 
     def _await(self, n: int, seq: int) -> RoundResult:
@@ -437,12 +441,14 @@ class RendezvousHandler:
         not verify (a stranger's, another run's) count as absent and are replaced."""
         store = store or self.store
         believed = believed or self.verified
+        pause = Backoff()
         for _ in range(100):
             raw = store.try_get(key)
             if raw is not None and believed(key, raw):
                 return
             if store.compare_set(key, raw, mine) == mine:
                 return
+            pause.sleep()  # another writer won this try: let the racers spread out
 
     def note(self, key: str, **body: Any) -> bytes:
         """A JSON note for ``key``, signed when the job has a token."""

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from .._safejson import Unreadable, loads_object
 from ..store import Store, StoreError, StoreTimeout
+from ..store.base import Backoff
 from .auth import MAC_FIELD, Signer
 from .errors import RendezvousStateError
 
@@ -149,6 +150,7 @@ class Records:
         """Compare-and-set ``body`` into an absent ``key``: (whether we won, the record there
         now). Bytes that do not verify (or are not JSON) count as absent and are replaced."""
         mine = self.seal(key, body)
+        pause = Backoff()
         for _ in range(_CAS_TRIES):
             raw = self.store.try_get(key)
             if raw is not None:
@@ -161,6 +163,7 @@ class Records:
             got = self.store.compare_set(key, raw, mine)
             if got == mine:
                 return True, dict(body)
+            pause.sleep()  # another writer won this try: let the racers spread out
         raise StoreError(f"store key {self.name(key)!r}: {_CAS_TRIES} compare-and-set conflicts")
 
     def replace(self, key: str, expected: bytes | None, body: dict[str, Any]) -> bool:

@@ -11,11 +11,13 @@ counter written by ``add`` reads back as ``b"3"`` from every backend.
 """
 from __future__ import annotations
 
+import random
 import time
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 DEFAULT_TIMEOUT = 30.0
+_BACKOFF_FIRST, _BACKOFF_CAP = 0.001, 0.1  # seconds, after a lost compare-and-set race
 
 
 class StoreError(RuntimeError):
@@ -47,6 +49,29 @@ class Deadline:
 
     def expired(self) -> bool:
         return self.at is not None and time.monotonic() >= self.at
+
+
+class Backoff:
+    """Randomised exponential pauses between the tries of a compare-and-set loop.
+
+    K writers racing on one key without a pause cost about K**2/2 transactions (each round
+    of the race has one winner and K-1 losers that retry at once); a full-jitter pause that
+    doubles per lost race (up to :data:`_BACKOFF_CAP`) spreads the losers out.
+    """
+
+    __slots__ = ("_next", "_sleep", "tries")
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._next = _BACKOFF_FIRST
+        self._sleep = sleep
+        self.tries = 0
+
+    def sleep(self, deadline: Deadline | None = None) -> None:
+        self.tries += 1
+        pause = random.uniform(0.0, self._next)
+        left = deadline.remaining() if deadline is not None else None
+        self._sleep(pause if left is None else min(pause, left))
+        self._next = min(self._next * 2, _BACKOFF_CAP)
 
 
 class Store(ABC):

@@ -8,7 +8,9 @@ How the primitives map onto etcd:
 
 - ``add`` reads the counter, then writes ``old + amount`` in a transaction that only succeeds
   if the key's ``mod_revision`` is still the one read; a lost race returns the fresh value in
-  the same round trip and the loop tries again.
+  the same round trip and the loop tries again after a randomised pause that doubles per lost
+  race (:class:`~elastictk.store.base.Backoff`), so K racing writers do not cost K**2/2
+  transactions. ``add(key, 0)`` of a counter that exists is one plain read (no write, no race).
 - ``compare_set`` is one transaction (a nested one for ``expected=None``, which must match both
   an absent key and an empty value, something a single etcd comparison cannot express).
 - ``wait``/``get`` read the keys once (one snapshot) and, if some are missing, watch them from
@@ -35,6 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 from .base import (
     DEFAULT_TIMEOUT,
+    Backoff,
     Deadline,
     Store,
     StoreError,
@@ -344,6 +347,18 @@ class EtcdStore(Store):
         deadline = Deadline(self.default_timeout)
         r = self._call("/v3/kv/range", {"key": full})
         value, mod = _value_and_revision(r)
+        if amount == 0 and value is not None:  # a read: no write, no race with the counter's writers
+            return self._counter(key, value)
+        if amount == 0:  # absent: created as "0" (as every backend does) unless another made it first
+            r = self._call("/v3/kv/txn", {
+                "compare": [{"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                "success": [{"request_put": {"key": full, "value": b64(b"0")}}],
+                "failure": [{"request_range": {"key": full}}],
+            })
+            if r.get("succeeded"):
+                return 0
+            return self._counter(key, _first_value(r["responses"][0].get("response_range") or {}))
+        pause = Backoff()
         while True:
             new = self._counter(key, value) + amount
             r = self._call("/v3/kv/txn", {
@@ -359,6 +374,7 @@ class EtcdStore(Store):
                     f"{self.default_timeout:g}s; too many writers on one counter?"
                 )
             value, mod = _value_and_revision(r["responses"][0].get("response_range") or {})
+            pause.sleep(deadline)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
         k = b64(self._k(key))

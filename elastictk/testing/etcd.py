@@ -26,11 +26,13 @@ import signal
 import ssl
 import subprocess
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..lifetime.procfs import is_frozen
 from ..lifetime.reaper import dies_with_caller
 from ..store.base import Deadline
 from ..store.endpoint import Endpoint, free_port
@@ -352,9 +354,15 @@ class EtcdServer:
         proc.wait(timeout=30)
 
     def pause(self) -> None:
-        """SIGSTOP: etcd keeps its sockets but answers nothing (a hung host, not a dead one)."""
+        """SIGSTOP: etcd keeps its sockets but answers nothing (a hung host, not a dead one).
+
+        Returns once the kernel shows etcd stopped: the signal is delivered asynchronously, and a
+        request sent in between would still be answered (seen as 1 in 4 under load)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGSTOP)
+            deadline = Deadline(10.0)
+            while not is_frozen(self._proc.pid) and not deadline.expired() and self._proc.poll() is None:
+                time.sleep(0.001)
 
     def resume(self) -> None:
         """SIGCONT after :meth:`pause`."""

@@ -18,7 +18,6 @@ loader is iterating it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sized
@@ -26,6 +25,7 @@ from typing import Any, Iterator, Mapping, Optional, Sized
 from torch.utils.data import Sampler
 
 from . import plan, record
+from .world import rank_world
 
 log = logging.getLogger("elastictk.data")
 
@@ -151,7 +151,7 @@ class ElasticSampler(Sampler[int]):
         """(rank, world size) for the next pass."""
         if self.num_replicas is not None and self.rank is not None:
             return self.rank, self.num_replicas
-        rank, world = _rank_world()
+        rank, world = rank_world()
         world = self.num_replicas if self.num_replicas is not None else world
         rank = self.rank if self.rank is not None else rank
         if not 0 <= rank < world:
@@ -284,22 +284,6 @@ def check_state(state: Any, *, samples: int, seed: int) -> dict[str, int]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _rank_world() -> tuple[int, int]:
-    """The default group's rank and size, else torchrun's environment, else (0, 1)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        raise ValueError("ElasticSampler: RANK/WORLD_SIZE in the environment are not ints; pass "
-                         "num_replicas and rank") from None
 
 
 def _check_dataset(dataset: Any) -> None:

@@ -415,12 +415,6 @@ def _short(value: Any) -> str:
 
 
 def _rank_world() -> tuple[int, int]:
-    """This process's rank and world size: the default group's, else torchrun's environment."""
-    try:
-        import torch.distributed as dist
+    from ..data.world import rank_world  # lazily: elastictk.data imports torch
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover
-        pass
-    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return rank_world()

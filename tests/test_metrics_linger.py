@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +17,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastictk.cli import parse_args
 from elastictk.cli.values import UsageError
 from elastictk.metrics import MetricsServer, Telemetry, TelemetryError
+from elastictk.metrics.server import is_scrape
+from tests.helpers.netns import Hosts, netns_works
 from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,6 +136,99 @@ def test_wait_for_scrape_ends_when_the_server_closes() -> None:
     started = time.monotonic()
     assert srv.wait_for_scrape(srv.requests, 30.0) is False
     assert time.monotonic() - started < 5
+
+
+class _Gate:
+    """A collector that holds every response until ``open`` is set: the test decides what the
+    client has done before the server answers."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def collect(self) -> list[object]:
+        assert self.open.wait(60), "the test never opened the gate"
+        return []
+
+
+def _answered(srv: MetricsServer, requests: int) -> None:
+    """Wait (an event, not a bound) until ``requests`` were read and every response is done."""
+    deadline = time.monotonic() + 60
+    while srv.requests < requests or srv.open_connections:
+        assert time.monotonic() < deadline, (srv.requests, srv.open_connections)
+        time.sleep(0.01)
+
+
+def test_only_a_whole_scrape_of_metrics_ends_the_wait() -> None:
+    """Another user's GET of another path (answered 200 with the metrics: the app serves every
+    path) and a GET /metrics by a client that hung up before the answer came do not
+    count as the scrape that saw the failure; a GET /metrics read whole does."""
+    registry = CollectorRegistry()
+    gate = _Gate()
+    registry.register(gate)  # type: ignore[arg-type]
+    with MetricsServer(registry, port=0) as srv:
+        after = srv.requests
+        gate.open.set()
+        for path in ("/not-metrics-at-all", "/metrics/x", "/"):
+            assert urllib.request.urlopen(f"http://{srv.target}{path}", timeout=30).status == 200
+        gate.open.clear()
+        with socket.create_connection((srv.host, srv.port), timeout=30) as c:
+            c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            _wait_read(srv, after + 4)
+        gate.open.set()  # the client is gone before its answer is sent: its kernel resets it
+        _answered(srv, after + 4)
+        assert srv.wait_for_scrape(after, 0) is False
+        assert scrape(srv.url) == b""
+        assert srv.wait_for_scrape(after, 30) is True  # the failing side: a whole scrape counts
+
+
+def test_a_scrape_whose_client_is_cut_off_before_the_answer_does_not_count() -> None:
+    """The answer fits the server's socket buffer, so ``sendall`` and the shutdown succeed
+    although the client (on another host, its cable cut) never gets a byte: only the client's
+    acknowledgement of every byte makes it a scrape that saw the failure."""
+    why = netns_works()
+    if why is not None:
+        pytest.skip(why)
+    registry = CollectorRegistry()
+    gate = _Gate()
+    registry.register(gate)  # type: ignore[arg-type]
+    with Hosts(2) as hosts:
+        server, client = hosts[0], hosts[1]
+        srv = server.call(lambda: MetricsServer(registry, host=server.addr, port=0, request_timeout=2.0))
+        conn = client.call(socket.create_connection, (server.addr, srv.port), 30)
+        try:
+            after = srv.requests
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            _wait_read(srv, after + 1)
+            client.link_down()
+            gate.open.set()
+            _answered(srv, after + 1)
+            assert srv.wait_for_scrape(after, 0) is False
+        finally:
+            conn.close()
+            srv.close()
+
+
+def _wait_read(srv: MetricsServer, requests: int) -> None:
+    deadline = time.monotonic() + 60
+    while srv.requests < requests:
+        assert time.monotonic() < deadline, srv.requests
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(("head", "scrape_"), [
+    (b"GET /metrics HTTP/1.1\r\n\r\n", True), (b"GET /metrics?name[]=x HTTP/1.1\r\n\r\n", True),
+    (b"GET /%6detrics HTTP/1.0\r\n\r\n", True), (b"GET /metricsx HTTP/1.1\r\n\r\n", False),
+    (b"HEAD /metrics HTTP/1.1\r\n\r\n", False), (b"GET / HTTP/1.1\r\n\r\n", False),
+    (b"POST /metrics HTTP/1.1\r\n\r\n", False), (b"GET /metrics\r\n\r\n", False), (b"", False),
+])
+def test_what_counts_as_a_scrape(head: bytes, scrape_: bool) -> None:
+    assert is_scrape(head) is scrape_
+
+
+@given(st.binary(max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_any_request_head_is_judged_without_raising(head: bytes) -> None:
+    assert is_scrape(head) in (True, False)
 
 
 # -- the flag ------------------------------------------------------------------------------------

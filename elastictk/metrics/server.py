@@ -23,12 +23,15 @@ Port 0 binds a free port; :attr:`MetricsServer.port` says which.
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
 import os
 import selectors
 import socket
+import struct
 import sys
+import termios
 import threading
 import time
 from types import TracebackType
@@ -45,6 +48,8 @@ CLOSE_WAIT = 0.8
 """The longest :meth:`MetricsServer.close` waits for request threads once their sockets are shut."""
 DEFAULT_MAX_CONNECTIONS = 16
 DEFAULT_MAX_PENDING = 128
+
+_TCP_CLOSE = 7  # TCP_INFO's tcpi_state once the connection is gone (include/net/tcp_states.h)
 
 _App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -95,8 +100,8 @@ class MetricsServer:
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._closed = False
-        # scrapes: requests whose head was read (numbered from 1), and the newest of them whose
-        # 200 response was sent whole; :meth:`wait_for_scrape` waits on the condition
+        # scrapes: requests whose head was read (numbered from 1), and the newest GET /metrics
+        # whose 200 response the client acknowledged whole; :meth:`wait_for_scrape` waits on it
         self._requests = 0
         self._served = 0
         self._scraped = threading.Condition(self._lock)
@@ -229,9 +234,11 @@ class MetricsServer:
                 number = self._requests
             response = self._respond(head)
             conn.settimeout(self.request_timeout)  # the whole sendall, not each send (3.5+)
+            sent_by = time.monotonic() + self.request_timeout
             conn.sendall(response)
             conn.shutdown(socket.SHUT_WR)
-            if head.startswith(b"GET ") and response.startswith(b"HTTP/1.1 200"):
+            if (is_scrape(head) and response.startswith(b"HTTP/1.1 200")
+                    and self._delivered(conn, sent_by)):
                 with self._scraped:
                     self._served = max(self._served, number)
                     self._scraped.notify_all()
@@ -243,6 +250,30 @@ class MetricsServer:
             with self._lock:  # removed before closing: close() shuts down only live sockets
                 self._conns.discard(conn)
             conn.close()
+
+    def _delivered(self, conn: socket.socket, deadline: float) -> bool:
+        """Whether the client's side acknowledged every byte of the response and our FIN
+        (``SIOCOUTQ`` drains to 0) without resetting the connection. ``sendall`` returns once
+        the bytes are in our own buffer: a client that sent its request and hung up at once
+        (its kernel answers the response with a reset) would count as a scrape that saw it."""
+        pause = 0.0005
+        while True:
+            try:
+                if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    return False  # reset, or the peer is gone
+                state = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+                unacked = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ,
+                                                         b"\0\0\0\0"))[0]
+            except OSError:
+                return False
+            if unacked == 0:
+                return True  # (a clean close after that also reads as TCP_CLOSE)
+            if state == _TCP_CLOSE:
+                return False  # closed with bytes unacknowledged: reset
+            if self._closed or time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)  # acks have no event to wait on; on loopback the first look sees them
+            pause = min(pause * 2, 0.02)
 
     def _respond(self, head: bytes) -> bytes:
         lines = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0].decode("latin-1").split("\n")
@@ -280,9 +311,10 @@ class MetricsServer:
             return self._requests
 
     def wait_for_scrape(self, after: int, timeout: float) -> bool:
-        """Wait until a GET read after request number ``after`` has been answered whole with
-        200 (so it saw every metric as it was when :attr:`requests` was ``after``), or
-        ``timeout`` seconds pass; True if one was."""
+        """Wait until a ``GET /metrics`` read after request number ``after`` has been answered
+        whole with 200, every byte acknowledged by the client (so it saw every metric as it
+        was when :attr:`requests` was ``after``), or ``timeout`` seconds pass; True if one was.
+        A GET of another path, or a client gone before the answer reached it, is not one."""
         deadline = time.monotonic() + timeout
         with self._scraped:
             while self._served <= after:
@@ -331,6 +363,17 @@ class MetricsServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def is_scrape(head: bytes) -> bool:
+    """A request head that is Prometheus's scrape: ``GET /metrics`` (a query string allowed).
+    Only such a request, answered whole, ends ``--metrics-linger``: the app answers any path
+    with the metrics, and a GET of another path is nobody's scrape."""
+    first = head.split(b"\n", 1)[0].split()
+    if len(first) != 3 or first[0] != b"GET":
+        return False
+    path = first[1].split(b"?", 1)[0]
+    return unquote(path.decode("latin-1")) == "/metrics"
 
 
 def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:

@@ -10,6 +10,8 @@ from typing import Iterator
 import psutil
 import pytest
 
+from tests.helpers.procs import cmdline
+
 # Python's own multiprocessing helper lives for the whole session by design.
 _EXEMPT = ("multiprocessing.resource_tracker",)
 # Servers owned by session-scoped fixtures (reaped at session end, not per test).
@@ -47,9 +49,8 @@ _OWN_TMPDIR = pytest.StashKey[str]()
 def _children() -> dict[int, str]:
     out: dict[int, str] = {}
     for p in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        cmd = cmdline(p)
+        if not cmd:  # ended (or a zombie) between the listing and the read
             continue
         if p.pid not in SESSION_PIDS and not any(e in cmd for e in _EXEMPT):
             out[p.pid] = cmd

@@ -221,16 +221,14 @@ class State:
         if got is None:
             _record_restored(None)
             return None
-        from ..snapshot.worker import clone_tree
+        from ..snapshot.into import copy_tree
 
         self._check_names(got.state, "the snapshot")
-        import torch
-
         for name, obj in self._objects.items():
             part = got.state["objects"][name]
-            if not isinstance(obj, torch.nn.Module):  # modules copy in; others keep references
-                part = clone_tree(part, lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
-            obj.load_state_dict(part)
+            if not got.owned:  # views of memory that changes: copied into the tensors held now
+                part = copy_tree(part, obj.state_dict())
+            obj.load_state_dict(part)  # in place already: the same tensors, nothing copied again
         values = got.state["values"]
         self._values.clear()
         self._values.update(copy.deepcopy(values))

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import codec, copies, ending, overlap, reshard
+from . import codec, copies, ending, into, overlap, reshard
 from .dcp import DcpDisk
 from .local import Region
 from .settings import Settings
@@ -53,8 +53,9 @@ class Deferred:
 class Restored:
     step: int
     tier: str
-    state: Any  # the decoded commit: {"objects": ..., "values": ...}; module tensors are views
+    state: Any  # the decoded commit: {"objects": ..., "values": ...}
     seconds: float
+    owned: bool = True  # its tensors are the script's own (loaded in place) or fresh; else views
 
 
 def _dist() -> tuple[Any, bool]:
@@ -111,6 +112,7 @@ class Snapshotter:
         self._durable: Optional[int] = None  # the newest step this rank's disk save completed
         self._failed: Optional[tuple[int, str]] = None  # the newest disk save that failed: why
         self._settled: Optional[int] = None  # the step finish() last accounted for
+        self._dirty = False  # a torn part was loaded in place: the state's tensors hold its bytes
         if self.disk is not None:  # the newest commit on disk when the script ends (ending.py)
             ending.watch(self)
 
@@ -292,9 +294,8 @@ class Snapshotter:
                 ) -> Optional[tuple[str, Any, Any]]:
         """The first source of ``step`` that is whole."""
         for tier, src in sources:
-            if tier == "local":
-                assert self.region is not None
-                why = self.region.verify(src)
+            if tier == "local":  # the checksum runs while the part is loaded (into.py)
+                why = None if src.checked else "never checksummed: its worker was killed before the check"
                 if why is None:
                     return tier, src, None
             else:
@@ -307,8 +308,19 @@ class Snapshotter:
 
     def _load(self, step: int, got: tuple[str, Any, Any], torn: list[str],
               template: Callable[[], Any]) -> Optional[tuple[str, Any, Any]]:
-        """A disk step every rank found whole, loaded by DCP onto ``template()``'s DTensors
-        (resharded); None if it fails to load (torn too)."""
+        """The agreed step loaded: a local part copied into ``template()``'s tensors while its
+        checksum is verified (:func:`.into.load_verified`); a disk step loaded by DCP onto
+        ``template()``'s DTensors (resharded). None if it turns out torn."""
+        if got[0] == "local":
+            assert self.region is not None
+            m = got[1]
+            self.region.populate(m)
+            tree, why = into.load_verified(self.region.data(m.index)[:m.length], m.digest, template())
+            if why is not None:
+                self._dirty = True
+                torn.append(f"rank {self.rank}'s local part of step {step} is torn ({why})")
+                return None
+            return got[0], m, tree
         if got[0] != "disk":
             return got
         assert self.disk is not None
@@ -325,8 +337,7 @@ class Snapshotter:
             assert self.region is not None
             self.region.make_active(src.index)
             self._last = (step, src.index, src.length)
-            return reshard.globalize(codec.read(self.region.data(src.index)[:src.length],
-                                                clone=False), self._specs)
+            return reshard.globalize(loaded, self._specs)
         raw, self._specs = reshard.encode(loaded)
         if self.region is not None:
             try:
@@ -361,7 +372,7 @@ class Snapshotter:
                 state = codec.read(self._buffer(c.slot, c.length), clone=False)
                 took = time.perf_counter() - t0
                 say(f"rank {self.rank} restored step {c.step} from {c.words} in {took * 1000:.1f} ms")
-                return Restored(c.step, "local", state, took)
+                return Restored(c.step, "local", state, took, owned=False)
         torn: list[str] = []
         while True:
             lists = gather(sorted(sources), self.world)
@@ -372,6 +383,11 @@ class Snapshotter:
                         + (f" ({'; '.join(torn)})" if torn else ""))
                 if self.region is not None:
                     self.region.forget()
+                if self._dirty:  # no older step to load over the torn bytes already copied in
+                    say(f"rank {self.rank}: the state's tensors were loaded from a torn part and no "
+                        "older step is whole; exiting 1 so the restart begins from the script's "
+                        "initial values")
+                    raise SystemExit(1)
                 return None
             got = self._verify(step, sources[step], torn)
             oks = gather(got is not None, self.world)

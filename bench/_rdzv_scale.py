@@ -22,6 +22,7 @@ computed from the measured numbers (``bench/_rdzv_scale_fit.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -38,13 +39,20 @@ from typing import Any, Sequence
 
 from .common import RESULTS_DIR, fmt, loadavg, machine_info, now_text, raise_fd_limit, write_atomic
 from ._rdzv_scale_fit import Verdict, formed_within, linear_growth
+from ._rdzv_scale_join import (
+    forms_and_reforms, join_verdicts, load_refusal, markdown_rows, per_join, refused, reform_within,
+)
 
 NAME = "rendezvous_scale"
 TITLE = "Rendezvous at scale: 8 to 1,024 simulated nodes on TCPStore and etcd"
 BACKENDS = {"tcp": "TCPStore", "etcd": "etcd"}
 FORM_LIMIT = 2.0  # seconds, for 1,024 nodes on TCPStore
+REFORM_LIMIT = 3.0  # seconds from the loss noticed to every survivor in a new round, 1,024 nodes
 KEPT_UP = 0.9  # of the heartbeats the protocol sends in a window
 TOKEN = "bench-scale-secret"  # records signed, as a job with --rdzv-token runs
+
+
+PHASES = ("form", "steady", "lost")
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,32 @@ class Plan:
     window: float
     form_cap: float  # seconds a round may take to form before the case is given up
     reform_cap: float  # seconds after the heartbeat timeout the re-form is waited for
+    phases: tuple[str, ...] = PHASES  # "form" alone, or all three
 
 
-FULL = Plan({"tcp": (8, 32, 128, 512, 1024), "etcd": (8, 32, 128, 512, 1024)},
+FULL = Plan({"tcp": (8, 64, 256, 1024), "etcd": (8, 64, 256, 1024)},
             heartbeat_interval=1.0, heartbeat_timeout=10.0, warmup=2.0, window=8.0,
             form_cap=150.0, reform_cap=60.0)
 # A smoke run: shorter clocks (a lost node is noticed after 2 s, not 10), two small sizes.
 QUICK = Plan({"tcp": (8, 32), "etcd": (8,)},
              heartbeat_interval=0.5, heartbeat_timeout=2.0, warmup=0.5, window=1.5,
              form_cap=30.0, reform_cap=30.0)
+
+
+def choose_plan(base: Plan, stores: str | None, sizes: str | None, phases: str) -> Plan:
+    """``base`` narrowed to the stores, sizes and phases asked for; ValueError names a bad one."""
+    names = [s.strip() for s in stores.split(",")] if stores is not None else list(base.sizes)
+    bad = [s for s in names if s not in BACKENDS]
+    if bad or not all(names):
+        raise ValueError(f"--stores {stores!r}: give a comma-separated list of tcp and etcd")
+    try:
+        ns = tuple(int(x) for x in sizes.split(",")) if sizes is not None else None
+    except ValueError:
+        ns = ()
+    if ns is not None and (not ns or any(n < 2 or n > 4096 for n in ns)):
+        raise ValueError(f"--sizes {sizes!r}: give comma-separated node counts from 2 to 4096, e.g. 64,256,1024")
+    return dataclasses.replace(base, sizes={s: ns or base.sizes[s] for s in names},
+                               phases=("form",) if phases == "form" else PHASES)
 
 
 class ScaleError(RuntimeError):
@@ -123,11 +148,16 @@ def run_case(backend: str, n: int, plan: Plan, tmp: str, log: Any) -> dict[str, 
         joined = [r.joined_at for r in reports if r.joined_at is not None]  # all: checked above
         out["form_s"] = round(max(joined) - t0, 4)
         out["form_first_rank_s"] = round(min(joined) - t0, 4)
+        out["form_join"] = per_join([r.cost for r in reports])
         calls_f, me_f = fleet.tally()
         out["form_calls"] = sum((calls_f - calls0).values())
         out["form_nodes_cpu_s"] = round(me_f - me0, 3)
         out["form_server_cpu_s"] = round(server.cpu_seconds() - cpu0, 3)
-        log(f"  {BACKENDS[backend]} {n:5d} nodes: formed in {out['form_s']:.3f}s (setup {out['setup_s']:.1f}s)")
+        j = out["form_join"] or {}
+        log(f"  {BACKENDS[backend]} {n:5d} nodes: formed in {out['form_s']:.3f}s (setup {out['setup_s']:.1f}s); "
+            f"per join {j.get('calls', {}).get('median')} calls, {j.get('bytes', {}).get('median')} B (median)")
+        if plan.phases == ("form",):
+            return out
         # 2. steady state
         fleet.ask("run")
         time.sleep(plan.warmup)
@@ -167,6 +197,7 @@ def run_case(backend: str, n: int, plan: Plan, tmp: str, log: Any) -> dict[str, 
                                   f"{cap:g} s after the loss (the first: {behind[0].error or 'still joining'})")
             log(f"  {BACKENDS[backend]} {n:5d} nodes: {out['reform_note']}")
             return out
+        out["reform_join"] = per_join([r.cost for r in survivors])
         _check_round(survivors, n - 1, f"{label}: the re-formed round of {n - 1}")
         out["reformed_s"] = round(max(r.joined_at or 0.0 for r in survivors) - t_kill, 3)
         log(f"  {BACKENDS[backend]} {n:5d} nodes: lost node noticed after {out['lost_noticed_s']:.2f}s, "
@@ -188,16 +219,25 @@ def kept_up(case: dict[str, Any], heartbeat_interval: float) -> bool:
     return per is None or per.get("add", 0.0) * heartbeat_interval >= KEPT_UP
 
 
-def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0) -> list[Verdict]:
+def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0,
+             refusal: str | None = None) -> list[Verdict]:
     """The targets, judged from the measured cases; a steady-state window whose nodes did not
-    keep up is left out of the growth fits (the fit says which sizes it used)."""
+    keep up is left out of the growth fits (the fit says which sizes it used). With a
+    ``refusal`` (the machine was busier than its cores) the time targets are UNKNOWN, saying
+    why; the per-join calls and bytes are judged all the same (load cannot change them)."""
     out: list[Verdict] = []
+    for backend, label in BACKENDS.items():
+        for phase in ("form", "reform"):
+            out.append(join_verdicts(cases, label, backend, phase))
+    out.append(refused(reform_within(cases, 1024, REFORM_LIMIT), refusal))
+    out.append(forms_and_reforms(cases, "etcd", "etcd", 1024))
     tcp_1024 = next((c for c in cases if c["backend"] == "tcp" and c["nodes"] == 1024), None)
     # Closed in the store: the first node holds its rank, so the closer's result is written.
     # Every node: each has also read and checked the N-member result, on this machine's cores.
     for key, what in (("form_first_rank_s", "is closed in the store (its first node has its rank)"),
                       ("form_s", "has every node holding its rank")):
-        out.append(formed_within("TCPStore", 1024, tcp_1024.get(key) if tcp_1024 else None, FORM_LIMIT, what))
+        out.append(refused(formed_within("TCPStore", 1024, tcp_1024.get(key) if tcp_1024 else None,
+                                         FORM_LIMIT, what), refusal))
     for backend, label in BACKENDS.items():
         mine = [c for c in cases if c["backend"] == backend and "steady_calls_per_s" in c
                 and kept_up(c, heartbeat_interval)]
@@ -249,6 +289,10 @@ def markdown(result: dict[str, Any]) -> str:
         for note in (c.get("phases"), c.get("reform_note")):
             if note:
                 lines.append(f"\n{BACKENDS[c['backend']]} with {c['nodes']:,} nodes: {note}.")
+    lines += ["", "## Per join (each node's own connection: calls, keys and values in and out)", ""]
+    lines += markdown_rows(result["cases"], BACKENDS)
+    if result.get("refusal"):
+        lines += ["", f"Times {result['refusal']}."]
     lines += ["", "## Verdicts", ""]
     lines += [f"- **{v['verdict']}** {v['target']}: {v['measured']}" for v in result["verdicts"]]
     lines += ["", "## What each node sends per second (steady state, largest size per store)", ""]
@@ -317,14 +361,17 @@ def run(plan: Plan, quick: bool, log: Any, save: Any = None) -> dict[str, Any]:
 def _result(plan: Plan, quick: bool, machine: dict[str, Any], cases: list[dict[str, Any]],
             fd_limit: int, partial: bool) -> dict[str, Any]:
     machine = {**machine, "loadavg_at_end": loadavg()}
+    why = load_refusal(machine.get("loadavg_at_start"))
     return {
         "name": NAME, "title": TITLE, "quick": quick, "partial": partial, "when": now_text(), "machine": machine,
-        "cases": cases, "verdicts": [v.to_json() for v in verdicts(cases, plan.heartbeat_interval)],
+        "refusal": why,
+        "cases": cases, "verdicts": [v.to_json() for v in verdicts(cases, plan.heartbeat_interval, why)],
         "notes": NOTES + _lagged(cases, plan.heartbeat_interval),
         "params": {"sizes": plan.sizes, "heartbeat_interval": plan.heartbeat_interval,
                    "form_cap_s": plan.form_cap, "reform_cap_s": plan.reform_cap,
                    "heartbeat_timeout": plan.heartbeat_timeout, "warmup_s": plan.warmup,
-                   "window_s": plan.window, "form_limit_s": FORM_LIMIT, "open_files_limit": fd_limit,
+                   "window_s": plan.window, "form_limit_s": FORM_LIMIT, "reform_limit_s": REFORM_LIMIT,
+                   "phases": list(plan.phases), "open_files_limit": fd_limit,
                    "cores": os.cpu_count()},
     }
 
@@ -337,7 +384,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run under a minute: small sizes, "
                    "short clocks, no files in bench/results")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write this run's results here")
+    p.add_argument("--stores", metavar="LIST", help="comma-separated: tcp, etcd (default: both)")
+    p.add_argument("--sizes", metavar="LIST", help="comma-separated node counts (default: 8,64,256,1024)")
+    p.add_argument("--phases", choices=("form", "all"), default="all",
+                   help="form: formation alone (per-join costs and times); all: also steady state and a lost node")
     args = p.parse_args(argv)
+    try:
+        plan = choose_plan(QUICK if args.quick else FULL, args.stores, args.sizes, args.phases)
+    except ValueError as e:
+        print(f"python -m bench rendezvous --scale: {e}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     # A c10d client looks up 127.0.0.1's name (DNS, PTR) as it connects; where the resolver
     # drops a query (this sandbox's does, about one in sixty) the connect waits out glibc's 5 s
@@ -361,7 +417,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        result = run(QUICK if args.quick else FULL, args.quick, log, save)
+        result = run(plan, args.quick, log, save)
     except KeyboardInterrupt:
         print("python -m bench rendezvous --scale: interrupted (everything it started has been stopped)",
               file=sys.stderr)

@@ -42,6 +42,7 @@ class NodeReport:
     joined_at: float | None
     noticed_at: float | None
     error: str | None
+    cost: dict[str, int] | None = None  # of its last join (SimNode.join)
 
 
 def _digest(ids: list[str]) -> str:
@@ -53,7 +54,8 @@ def _report(nd: Any) -> NodeReport:
     return NodeReport(nd.index, nd.node_id, None if i is None else i.round, None if i is None else i.rank,
                       None if i is None else i.world_size,
                       None if i is None else _digest([m.node_id for m in i.members]),
-                      nd.joined_at, nd.noticed_at, None if nd.error is None else repr(nd.error)[:300])
+                      nd.joined_at, nd.noticed_at, None if nd.error is None else repr(nd.error)[:300],
+                      nd.cost)
 
 
 def _worker(conn: Connection, backend: str, endpoint: str, cfg: RendezvousConfig, indices: list[int]) -> None:
@@ -65,8 +67,8 @@ def _worker(conn: Connection, backend: str, endpoint: str, cfg: RendezvousConfig
     tally = Tally()
 
     class _At:  # what SimNode needs of a server
-        def connect(self, t: Tally) -> Any:
-            return connect(backend, endpoint, t)
+        def connect(self, t: Tally, meter: Any = None) -> Any:
+            return connect(backend, endpoint, t, meter)
 
     nodes: list[SimNode] = []
     threads: list[threading.Thread] = []

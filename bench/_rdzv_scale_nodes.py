@@ -32,7 +32,7 @@ from elastictk.agent.stragglers import StragglerWatch
 from elastictk.rendezvous import RendezvousConfig, RendezvousHandler, RoundInfo
 from elastictk.rendezvous.watch import MembershipWatch
 
-from ._rdzv_scale_store import Server, Tally
+from ._rdzv_scale_store import Meter, Server, Tally
 
 #: ``--straggler-interval``'s default.
 STRAGGLER_INTERVAL = 5.0
@@ -56,7 +56,8 @@ class SimNode:
 
     def __init__(self, server: Server, tally: Tally, cfg: RendezvousConfig, index: int) -> None:
         self.index = index
-        self.store = server.connect(tally)
+        self.meter = Meter()  # this node's own connection: what its joins cost
+        self.store = server.connect(tally, self.meter)
         self.handler = RendezvousHandler(self.store, cfg, node_id=f"sim{index:04d}",
                                          meta={"addr": "127.0.0.1", "index": index})
         self.handler.start_heartbeat()
@@ -64,6 +65,7 @@ class SimNode:
         self.joined_at: float | None = None
         self.noticed_at: float | None = None
         self.error: BaseException | None = None
+        self.cost: dict[str, int] | None = None  # of the last join: calls, bytes, waits, wake-ups
         self._parts: list[Any] = []
         self.watch: MembershipWatch | None = None
 
@@ -72,12 +74,18 @@ class SimNode:
         return self.handler.node_id
 
     def join(self) -> None:
-        """Join the next round; the time it got its rank (or the error) is kept."""
+        """Join the next round; the time it got its rank (or the error) and what the join cost
+        on this node's own connection (calls, bytes, waits, wake-ups, etcd requests) are kept."""
+        before, req0 = self.meter.snapshot(), self.store.requests
         try:
             self.info = self.handler.next_round()
             self.joined_at = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - reported by the benchmark, never swallowed
             self.error = e
+        after, req1 = self.meter.snapshot(), self.store.requests
+        self.cost = {k: after[k] - before[k] for k in after}
+        if req0 is not None and req1 is not None:
+            self.cost["etcd_requests"] = req1 - req0
 
     def run_round(self) -> None:
         """Start what the agent runs while its workers train in the round."""

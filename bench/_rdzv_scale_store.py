@@ -55,43 +55,90 @@ class Tally:
             return Counter(self.calls)
 
 
-class CountingStore(Store):
-    """``inner`` with every call counted in ``tally``; clones are counted in the same tally."""
+class Meter:
+    """One connection's own calls, bytes and wake-ups (not its clones'): what one join costs.
 
-    def __init__(self, inner: Store, tally: Tally) -> None:
-        self.inner, self.tally = inner, tally
+    Bytes are keys and values as elastictk hands them to the store and gets them back (the
+    wire adds a few bytes of framing per call: TCPStore's length prefixes, etcd's base64 and
+    JSON). A wake-up is a ``wait`` that returned because its keys appeared; ``waits`` counts
+    every wait, also those that timed out (a node's slice of waiting)."""
+
+    FIELDS = ("calls", "bytes_out", "bytes_in", "waits", "wakeups")
+
+    def __init__(self) -> None:
+        self.calls = self.bytes_out = self.bytes_in = self.waits = self.wakeups = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+def _n(keys: Iterable[str]) -> int:
+    return sum(len(k.encode()) for k in keys)
+
+
+class CountingStore(Store):
+    """``inner`` with every call counted in ``tally``; clones are counted in the same tally.
+    ``meter`` (when given) counts this connection's own calls and bytes, not its clones'."""
+
+    def __init__(self, inner: Store, tally: Tally, meter: Meter | None = None) -> None:
+        self.inner, self.tally, self.meter = inner, tally, meter
+
+    def _count(self, op: str, out: int, inn: int = 0) -> None:
+        self.tally.add(op)
+        m = self.meter
+        if m is not None:
+            m.calls += 1
+            m.bytes_out += out
+            m.bytes_in += inn
 
     def set(self, key: str, value: bytes) -> None:
-        self.tally.add("set")
         self.inner.set(key, value)
+        self._count("set", _n([key]) + len(value))
 
     def try_get(self, key: str) -> bytes | None:
-        self.tally.add("get")
-        return self.inner.try_get(key)
+        got = self.inner.try_get(key)
+        self._count("get", _n([key]), len(got or b""))
+        return got
 
     def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
-        self.tally.add("multi_get")
-        return self.inner.multi_get(keys)
+        keys = list(keys)
+        got = self.inner.multi_get(keys)
+        self._count("multi_get", _n(keys), sum(len(v or b"") for v in got))
+        return got
 
     def add(self, key: str, amount: int) -> int:
-        self.tally.add("add")
-        return self.inner.add(key, amount)
+        got = self.inner.add(key, amount)
+        self._count("add", _n([key]) + len(str(amount)), len(str(got)))
+        return got
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
-        self.tally.add("compare_set")
-        return self.inner.compare_set(key, expected, desired)
+        got = self.inner.compare_set(key, expected, desired)
+        self._count("compare_set", _n([key]) + len(expected or b"") + len(desired), len(got or b""))
+        return got
 
     def delete(self, key: str) -> bool:
-        self.tally.add("delete")
+        self._count("delete", _n([key]))
         return self.inner.delete(key)
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
-        self.tally.add("wait")
+        self._count("wait", _n(keys))
+        m = self.meter
+        if m is not None:
+            m.waits += 1
         self.inner.wait(keys, timeout)
+        if m is not None:
+            m.wakeups += 1  # not reached when the wait timed out (StoreTimeout)
 
     def keys(self, prefix: str = "") -> list[str]:
-        self.tally.add("keys")
-        return self.inner.keys(prefix)
+        got = self.inner.keys(prefix)
+        self._count("keys", _n([prefix]), _n(got))
+        return got
+
+    @property
+    def requests(self) -> int | None:
+        """Requests on the wire so far (etcd: unary calls and watch streams), where known."""
+        r = getattr(self.inner, "requests", None)
+        return r if isinstance(r, int) else None
 
     def clone(self) -> "CountingStore":
         self.tally.add("clone")
@@ -121,8 +168,8 @@ class Server:
     def rss_mib(self) -> float:
         return float(psutil.Process(self.pid).memory_info().rss) / 2**20
 
-    def connect(self, tally: Tally) -> CountingStore:
-        return connect(self.backend, self.endpoint, tally)
+    def connect(self, tally: Tally, meter: Meter | None = None) -> CountingStore:
+        return connect(self.backend, self.endpoint, tally, meter)
 
     def close(self) -> None:
         stop = self._stop
@@ -140,15 +187,16 @@ class Server:
             stop.close()  # type: ignore[attr-defined]  # an EtcdServer
 
 
-def connect(backend: str, endpoint: str, tally: Tally) -> CountingStore:
-    """A new client of a server (one node's own connection), counted in ``tally``."""
+def connect(backend: str, endpoint: str, tally: Tally, meter: Meter | None = None) -> CountingStore:
+    """A new client of a server (one node's own connection), counted in ``tally`` (and its own
+    calls in ``meter``)."""
     if backend == "tcp":
         from elastictk.store.tcp import TCPStore
 
-        return CountingStore(TCPStore.connect(endpoint, timeout=120), tally)
+        return CountingStore(TCPStore.connect(endpoint, timeout=120), tally, meter)
     from elastictk.store.etcd import EtcdStore
 
-    return CountingStore(EtcdStore(endpoint, timeout=120), tally)
+    return CountingStore(EtcdStore(endpoint, timeout=120), tally, meter)
 
 
 def start(backend: str, tmp: str) -> Server:

@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from bench._rdzv_scale import QUICK, verdicts
+from typing import Callable
+
+from bench._rdzv_scale import QUICK, choose_plan, verdicts
+from bench._rdzv_scale_join import SIZES as JOIN_SIZES
+from bench._rdzv_scale_join import join_verdicts, load_refusal, per_join, reform_within
 from bench._rdzv_scale_fit import MAX_EXPONENT, exponent, formed_within, linear_growth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +76,49 @@ def test_a_window_whose_nodes_lagged_is_left_out_of_the_fit() -> None:
     assert [v.passed for v in verdicts(cases) if "TCPStore: store calls" in v.target] == [None]
 
 
+def _cost(calls: int, nbytes: int) -> dict[str, int]:
+    return {"calls": calls, "bytes_in": nbytes - 100, "bytes_out": 100, "waits": 1, "wakeups": 1}
+
+
+def test_per_join_costs_are_judged_on_the_median_node_and_must_stay_flat() -> None:
+    j = per_join([_cost(5, 600)] * 9 + [_cost(40, 90_000)] + [None])  # the closer reads the whole once
+    assert j is not None and j["calls"]["median"] == 5 and j["calls"]["max"] == 40 and j["bytes"]["median"] == 600
+    assert per_join([None]) is None
+
+    def cases(calls: int, nbytes: "Callable[[int], int]") -> list[dict[str, object]]:
+        return [{"backend": "tcp", "nodes": n, "form_join": per_join([_cost(calls, nbytes(n))] * 5)} for n in JOIN_SIZES]
+
+    assert join_verdicts(cases(5, lambda n: 600), "TCPStore", "tcp").passed is True
+    assert join_verdicts(cases(7, lambda n: 600), "TCPStore", "tcp").passed is False  # too many calls
+    assert join_verdicts(cases(5, lambda n: 1100), "TCPStore", "tcp").passed is False  # too many bytes
+    assert join_verdicts(cases(5, lambda n: 300 + n // 2), "TCPStore", "tcp").passed is False  # grows with N
+    grown = join_verdicts(cases(12, lambda n: 72 * n + 560), "TCPStore", "tcp")  # today's protocol
+    assert grown.passed is False and "1,024: 12 calls, 74,288 B" in grown.measured
+    assert join_verdicts(cases(5, lambda n: 600)[:2], "TCPStore", "tcp").passed is None  # 1,024 not run
+    assert join_verdicts(cases(5, lambda n: 600), "etcd", "etcd").passed is None
+
+
+def test_a_busy_machine_refuses_the_times_but_not_the_calls() -> None:
+    assert load_refusal([1.9, 1.0, 1.0], cores=2) is None and load_refusal(None, cores=2) is None
+    why = load_refusal([11.7, 5.0, 3.0], cores=2)
+    assert why is not None and "11.7" in why and "2 cores" in why
+    fast = {"backend": "tcp", "nodes": 1024, "form_s": 1.0, "form_first_rank_s": 0.5, "lost_noticed_s": 10.0,
+            "reformed_s": 11.0, "form_join": per_join([_cost(5, 600)])}
+    timed = [v for v in verdicts([fast], refusal=why) if "< " in v.target]
+    assert timed and all(v.passed is None and "refused" in v.measured for v in timed)
+    assert all(v.passed is True for v in verdicts([fast]) if "< " in v.target)
+    slow = {**fast, "reformed_s": 13.5}  # 3.5 s after the loss was noticed
+    assert reform_within([slow], 1024, 3.0).passed is False
+
+
+def test_bad_stores_and_sizes_are_refused_in_one_line() -> None:
+    plan = choose_plan(QUICK, "etcd", "64,256", "form")
+    assert plan.sizes == {"etcd": (64, 256)} and plan.phases == ("form",)
+    for stores, sizes in (("redis", None), ("", None), (None, "x"), (None, "1"), (None, "")):
+        with pytest.raises(ValueError, match="--s"):
+            choose_plan(QUICK, stores, sizes if sizes != "" else ",", "all")
+
+
 @pytest.mark.skipif(shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists(), reason="no etcd")
 def test_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
@@ -92,6 +139,12 @@ def test_quick_run(tmp_path: Path) -> None:
         assert QUICK.heartbeat_timeout - QUICK.heartbeat_interval <= c["lost_noticed_s"] <= c["reformed_s"]
         assert c["reformed_s"] < QUICK.heartbeat_timeout + QUICK.reform_cap
         assert c["steady_server_cpu"] >= 0 and c["server_rss_mib"] > 0
-    # Two sizes from 32 nodes on are needed for a growth verdict: the quick run has fewer.
+        for phase in ("form_join", "reform_join"):  # each node's own calls, bytes and wake-ups
+            j = c[phase]
+            assert j["calls"]["median"] >= 3 and j["bytes"]["median"] > 100 and j["wakeups"]["max"] >= 1
+            assert ("etcd_requests" in j) == (backend == "etcd")
+    # Two sizes from 32 nodes on are needed for a growth verdict, and 64/256/1,024 for the
+    # per-join ones: the quick run has fewer.
     assert {v["verdict"] for v in result["verdicts"]} == {"UNKNOWN"}
+    assert "| TCPStore | 8 | form |" in r.stdout
     assert "| TCPStore | 32 |" in r.stdout

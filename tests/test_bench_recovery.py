@@ -1,7 +1,7 @@
 """The recovery benchmark reads the job's output correctly, however the ranks' lines interleave."""
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench._recovery_job import Timeline, parse_line
@@ -41,6 +41,7 @@ def interleavings(draw: st.DrawFn) -> tuple[int, list[str]]:
     return world, chunks
 
 
+@settings(suppress_health_check=[HealthCheck.too_slow])  # drawing interleavings is slow on a busy host
 @given(interleavings())
 def test_every_rank_is_found_in_glued_lines(case: tuple[int, list[str]]) -> None:
     world, chunks = case

@@ -42,11 +42,14 @@ def test_a_planned_run_keeps_every_invariant_and_replays(tmp_path: Path) -> None
 def test_more_faults_than_the_budget_fail_the_job_with_the_budget_message(tmp_path: Path) -> None:
     r = chaos(tmp_path, "--seed", "5", "--faults", "3", "--kinds", "sigkill", "--at-steps", "2:9",
               "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *CMD)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]  # failing was the right outcome
     d = report(tmp_path)
     assert d["totals"]["exit_code"] == 1 and d["totals"]["restarts"] == 1
     names = {c["name"]: c["ok"] for c in d["checks"]}
     assert names["fails with the budget message"] and names["finishes iff faults <= max-restarts"]
+    # failing was the right outcome, but fault #2 (attempt 2) could never fire: not all [ok]
+    fired = next(c for c in d["checks"] if c["name"] == "every planned fault fired")
+    assert not fired["ok"] and "past --max-restarts 1" in fired["detail"], fired
+    assert r.returncode == 1 and "[BROKEN] every planned fault fired" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_a_broken_invariant_is_named_and_exits_1(tmp_path: Path) -> None:

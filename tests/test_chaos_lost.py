@@ -150,23 +150,23 @@ def test_end_to_end_a_resuming_script_passes_the_check(tmp_path: Path) -> None:
 
 
 def test_a_fault_in_a_restored_process_counts_from_its_restore_point() -> None:
-    """Attempt 1's process restored step 10 and ran 8 optimizer steps before the fault; its
-    successor restored 10 again: 8 steps are run again (from 0, not the restore point, the loss
-    would read 10 + 8 - 10 -> 8 - 10 -> 0)."""
+    """Attempt 1's process restored step 10 and ran 8 optimizer steps before the fault, which
+    it records at the job's step 18 (the count goes on from the restored step); its successor
+    restored 10 again: 8 steps are run again (with the count read as from 0, 8 - 10 -> 0)."""
     fault = {"fault": 0, "kind": "sigkill", "target": "rank:0", "rank": 0, "attempt": 1, "pid": 21,
-             "step": 8, "source": "auto"}
+             "step": 18, "source": "auto"}
     restored = [{"restored": 10, "rank": 0, "attempt": 1, "pid": 21},
                 {"restored": 10, "rank": 0, "attempt": 2, "pid": 22}]
     progress = [{"progress": "first", "rank": 0, "attempt": a, "pid": p, "source": "auto", "step": 1}
                 for a, p in ((1, 21), (2, 22))]
     assert lost_steps(fault, progress, restored).steps == 8
-    plan = plan_of([Fault.of("sigkill", "rank:0", at_step=8)])
+    plan = plan_of([Fault.of("sigkill", "rank:0", at_step=18)])
     ev = [Event("workers_started", {"restart_count": 1}, mono=1.0),
           Event("worker_failed", {"rank": 0}, mono=3.1),
           Event("restart", {"restart_count": 2}, mono=3.2),
           Event("workers_started", {"restart_count": 2}, mono=4.0)]
     rec = RunRecord(argv=[], started=0.0, ended=9.0, exit_code=0, events=ev,
-                    injections=[Injection(0, "sigkill", "rank:0", 3.0, 21, 8)],
+                    injections=[Injection(0, "sigkill", "rank:0", 3.0, 21, 18)],
                     fault_lines=[{**fault, "monotonic": 3.0}], restored=restored, progress=progress)
     rows = creport.fault_rows(plan, rec)
     assert rows[0].lost_steps == 8

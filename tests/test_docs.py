@@ -154,7 +154,13 @@ class Ran:
     stderr: str
 
 
+# Pages whose blocks run in order, as a reader pastes them, by their own test (not here too).
+IN_ORDER = {ROOT / "docs" / "quickstart.md": "tests/test_docs_quickstart.py"}
+
+
 def skip_reason(block: Block) -> str | None:
+    if block.page in IN_ORDER:
+        return f"run in its page's order by {IN_ORDER[block.page]}"
     why = block.note("not run")
     if why is not None:
         return f"not run: {why}"

@@ -61,6 +61,19 @@ def test_optimizer_steps_fire_step_faults_in_a_script_with_no_elastictk_calls(tm
     assert [(d["fault"], d["step"], d["source"]) for d in fired] == [(0, 3, "auto")]
 
 
+def test_after_a_restore_the_count_goes_on_from_the_restored_step(tmp_path: Path) -> None:
+    """The job's own step numbers: a process whose State.restore() brought back step 5 reaches
+    step 7 at its 2nd optimizer step (counted from 0, a plan's step 7 would need 7 more)."""
+    plan = plan_of([Fault.of("exit:7", "rank:0", at_step=7, attempt=1)])
+    pre = ("import elastictk.data.record as record\n"
+           "record.resumed(5)  # what State.restore() tells it (the snapshot tier is not here)")
+    env = {**_env(tmp_path, plan), "TORCHELASTIC_RESTART_COUNT": "1"}
+    r = _run(OPT_LOOP.format(pre=pre, n_opt=1, steps=6, each=""), env)
+    assert r.returncode == 7 and r.stdout.split() == ["step", "1"], r.stdout + r.stderr
+    fired = [d for d in _log(tmp_path) if "fault" in d]
+    assert [(d["fault"], d["step"], d["source"]) for d in fired] == [(0, 7, "auto")]
+
+
 def test_two_optimizers_of_one_loop_count_one_step(tmp_path: Path) -> None:
     plan = plan_of([Fault.of("exit:7", "rank:0", at_step=4)])
     r = _run(OPT_LOOP.format(pre="", n_opt=2, steps=6, each=""), _env(tmp_path, plan))

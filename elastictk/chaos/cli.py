@@ -33,7 +33,7 @@ from ..faults.kinds import HANGS
 from ..faults.plan import read_json
 from . import report
 from .cluster import BACKENDS
-from .expect import Shape
+from .expect import Shape, short_of_nodes
 from .flags import MAX_REPORT_BYTES, FlagError, check_flags, check_never, in_flag_terms, report_dir, window
 from .multinode import run_nodes
 from .runner import (
@@ -325,6 +325,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         shape = Shape(ns.nodes, config.min_nodes, config.rdzv_backend, config.max_restarts,
                       float(config.rdzv_conf.get("heartbeat_timeout", max(10.0, hb * 3))), ns.rejoin is not None)
         multi = {"nodes": ns.nodes, "backend": config.rdzv_backend, "rejoin_s": ns.rejoin}
+        short = short_of_nodes(shape, [f.target.index for f in plan.faults
+                                       if f.kind == "kill-agent" and f.target.index is not None],
+                               float(config.rdzv_conf.get("join_timeout", 600.0)))
+        if short is not None:
+            print(f"{PROG}: {short}", file=sys.stderr)
         make_run_dir(out, "chaos")
         rec = run_nodes(plan, launcher, command, out, nodes=ns.nodes, backend=config.rdzv_backend,
                         nproc=int(config.nproc_per_node), timeout=ns.timeout, rejoin_s=ns.rejoin, progress=prog,

@@ -80,3 +80,21 @@ def expect(shape: Shape, restarts_needed: int, killed: Iterable[int] = (),
     if killed:
         why += f"; {left} node(s) left, --nnodes min {shape.min_nodes}"
     return Expectation(True, why)
+
+
+def short_of_nodes(shape: Shape, killed: Iterable[int], join_timeout: float) -> Optional[str]:
+    """The line said before a run whose plan kills so many agents (without ``--rejoin``) that
+    fewer than ``--nnodes`` MIN nodes are left: the survivors then wait for nodes up to the join
+    timeout before the job fails (rule 2), which is what a correct job does, and the report judges
+    it so; the line says what the run is waiting for meanwhile. None for any other plan."""
+    killed = sorted(set(killed))
+    if shape.rejoin or not killed:
+        return None
+    left = shape.nodes - len(killed)
+    if left >= shape.min_nodes:
+        return None
+    return (f"the plan kills node(s) {', '.join(map(str, killed))} with no --rejoin: {left} node(s) "
+            f"will be left, fewer than --nnodes min {shape.min_nodes}, so the job then waits up to "
+            f"the join timeout ({join_timeout:g}s) for nodes and fails, as it should (the report "
+            "expects that); shorten the wait with --rdzv-conf join_timeout=SECONDS, or plan fewer "
+            "kill-agent faults")

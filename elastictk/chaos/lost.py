@@ -4,15 +4,16 @@ The records, from the workers' fault log (``ELASTICTK_FAULT_LOG``):
 
 - the fault's own line: the step the failed process had reached and where that step came from
   (``checkpoint``/``loop``: the script's own step number, from ``elastictk.faults.fault_point``
-  or ``run_elastic``; ``auto``: the optimizer steps this process counted, from 0);
+  or ``run_elastic``; ``auto``: the optimizer steps this process counted, on from the step its
+  ``State.restore()`` brought back, or from 0 without one);
 - each process's ``progress`` line at its first step (the step and its source);
 - ``restored`` lines, written by ``State.restore()``: the step the state came back at (null:
   nothing to restore, the state's initial values).
 
 A script-numbered step says where the job was: the failed process was at step ``k``, the next
 process of that rank first reported step ``r``, so ``k - r`` steps are run again. An optimizer
-count starts at 0 in every process, so it says how far a process got only from where it
-started: from 0 in the first attempt, from its ``restored`` step after that. Without a record
+count is in the job's numbering only where the process's start is known: 0 in the first
+attempt, its ``restored`` step after that (``elastictk.faults.auto`` counts on from it). Without a record
 of where the next process resumed (a script that reloads a ``torch.save`` checkpoint of its
 own, or never reloads at all) the loss is unknown, and :func:`lost_steps` says why instead of
 guessing.
@@ -68,17 +69,16 @@ def lost_steps(fault: dict[str, Any], progress: Sequence[dict[str, Any]],
         return Lost(max(0, step - int(first["step"])))
     if source != "auto":
         return Lost(None, f"the fault's step came from {source!r}")
+    # the count went on from the failed process's restored step (auto.py): the job's own number
     mine = next((d for d in restored if _int(d.get("pid")) == _int(fault.get("pid"))), None)
-    if mine is not None:
-        start = _int(mine.get("restored")) or 0
-    elif attempt == 0:
-        start = 0  # the first attempt starts the job
-    else:
+    if mine is None and attempt != 0:  # the first attempt starts the job, at 0
         return Lost(None, f"only optimizer steps were counted, and the failed process (attempt "
                           f"{attempt}) recorded no State.restore() to count them from")
     back = next((d for d in restored if _int(d.get("rank")) == rank and _int(d.get("attempt")) == nxt), None)
     if back is None:
-        return Lost(None, "only optimizer steps were counted (they restart at 0 in every process) "
-                          f"and rank {rank} recorded no State.restore() in attempt {nxt}, so where it "
-                          "resumed is not known; report steps with elastictk.faults.fault_point(step)")
-    return Lost(max(0, start + step - (_int(back.get("restored")) or 0)))
+        return Lost(None, f"only optimizer steps were counted and rank {rank} recorded no "
+                          f"State.restore() in attempt {nxt}: a script that starts again from 0 and "
+                          "one that reloads its own torch.save checkpoint look the same, so where it "
+                          "resumed is not known; keep the state in elastictk.State, or report steps "
+                          "with elastictk.faults.fault_point(step)")
+    return Lost(max(0, step - (_int(back.get("restored")) or 0)))

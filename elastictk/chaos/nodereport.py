@@ -52,6 +52,14 @@ def _members_at(rec: RunRecord, t: float) -> list[int]:
     return sorted(n for n, up in running.items() if up)
 
 
+def _killed_before_noticing(rec: RunRecord, index: int, at: float, by: float) -> set[int]:
+    """Nodes whose own agent another ``kill-agent`` took between fault ``index`` (at ``at``) and
+    ``by``, the latest a survivor had to notice it (the first reaction plus the heartbeat
+    timeout): such a node is the next fault's victim, not a survivor that never noticed."""
+    return {int(i.target.split(":")[1]) for i in rec.injections
+            if i.kind == "kill-agent" and i.fault != index and at <= i.mono <= by}
+
+
 def _joined(e: Any) -> bool:
     """A round re-formed because a node arrived (a rejoin): no reaction to a store outage."""
     return e.kind == "membership_changed" and e.fields.get("cause") == "node_joined"
@@ -134,7 +142,8 @@ def checks(rows: Sequence[Any], rec: RunRecord, shape: Shape, exp: Expectation, 
             # Every member must notice: by reacting, by leaving its exit barrier without the
             # lost node, or by finishing before anyone reacted.
             first = at + r.detected_after
-            deaf = [n for n in _members_at(rec, at) if n != int(r.target.split(":")[1])
+            gone = _killed_before_noticing(rec, r.index, at, first + shape.heartbeat_timeout)
+            deaf = [n for n in _members_at(rec, at) if n != int(r.target.split(":")[1]) and n not in gone
                     and not any(e.fields.get("node") == n and e.mono >= at and (
                         e.kind in REACTIONS or e.kind == "exit_barrier_left"
                         or (e.kind == "job_finished" and e.mono <= first))

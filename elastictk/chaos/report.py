@@ -165,6 +165,9 @@ def _attempts(rec: RunRecord) -> int:
 
 def why_unfired(f: Any, index: int, rec: RunRecord) -> str:
     """Why fault ``index`` never fired, in a few words, from what the run recorded."""
+    stopped = _stopped_before(f, rec)
+    if stopped is not None:
+        return stopped
     if f.at_s is not None:
         clock = rec.clock if rec.clock is not None else rec.started
         if rec.ended - clock < float(f.at_s):
@@ -191,6 +194,22 @@ def why_unfired(f: Any, index: int, rec: RunRecord) -> str:
     sources = sorted({str(p.get("source")) for p in mine})
     return (f"the step was never reached: {target} got to step {last} in attempt "
             f"{f.attempt or 0} (steps counted by {', '.join(sources)})")
+
+
+def _stopped_before(f: Any, rec: RunRecord) -> Optional[str]:
+    """The run was stopped from outside (a signal to elastictk-chaos, or its ``--timeout``)
+    before the fault's time or step came: that is why, not the script (which may simply not
+    have reached its first step yet)."""
+    if not rec.stopped:
+        return None
+    by = "its --timeout" if rec.stopped == "timeout" else rec.stopped
+    clock = rec.clock if rec.clock is not None else rec.started
+    where = f"{max(0.0, rec.ended - clock):.1f}s in"
+    if f.at_s is not None and rec.ended - clock >= float(f.at_s):
+        return None  # due before the stop: its own reason holds
+    steps = [int(p["step"]) for p in rec.progress if isinstance(p.get("step"), int)]
+    reached = f", at step {max(steps)}" if steps else ", before any worker reported a step"
+    return f"the run was interrupted ({by}) {where}{reached}, before the fault was due"
 
 
 def _ranges(xs: list[int]) -> str:
@@ -246,6 +265,9 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "recoveries_timed": len(phases.of_run(rec.events)),
         "steps_lost": lost,
         "steps_lost_unknown": len(_unknown_losses(rows)),
+        "steps_lost_why": next((r.lost_why for r in rows if r.lost_why and r.fired and r.needs_restart
+                                and r.lost_steps is None and r.running_after is not None), None),
+        "data_judged": bool(rec.data),
         "running_share": min(1.0, running / wall),
         "goodput": min(1.0, running / wall) * kept,
         "checksum": rec.checksum,
@@ -267,7 +289,7 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
     ``snapshot``/``snapshot_every``: the job's ``--snapshot`` tiers and ``--snapshot-every``."""
     plan = watched(plan, rec)
     beyond = {r.index for r in rows if not r.fired and r.attempt is not None and r.attempt > max_restarts}
-    out = [_fired(rows, allow_unfired, beyond)] + _invariants(plan, rec, rows, max_restarts=max_restarts,
+    out = [_fired(rows, allow_unfired, beyond, max_restarts)] + _invariants(plan, rec, rows, max_restarts=max_restarts,
                                                       ckpt_every=ckpt_every, expect_checksum=expect_checksum,
                                                       shape=shape, nproc=nproc)
     if snapshot:
@@ -307,17 +329,25 @@ def _unknown_losses(rows: list[FaultRow]) -> list[str]:
             for r in rows if r.fired and r.needs_restart and r.lost_steps is None and r.running_after is not None]
 
 
-def _fired(rows: list[FaultRow], allow: bool, beyond: Optional[set[int]] = None) -> Check:
-    """Every planned fault fired, except those planned past the restart budget (the job ends
-    before their attempt, as it must)."""
+def _fired(rows: list[FaultRow], allow: bool, beyond: Optional[set[int]] = None,
+           max_restarts: Optional[int] = None) -> Check:
+    """Every planned fault fired. One planned past the restart budget cannot (the job gives up
+    before its attempt): it fails the check all the same, naming the budget, since a plan that
+    cannot run whole proves less than it says (``--allow-unfired`` lets it pass)."""
     beyond = beyond or set()
-    missed = [r for r in rows if not r.fired and r.index not in beyond]
+    missed = [r for r in rows if not r.fired]
     if not missed:
-        extra = f"; {len(beyond)} planned past --max-restarts, not expected to" if beyond else ""
-        return Check(FIRED, True, f"{len(rows) - len(beyond)} of {len(rows)} fired{extra}")
-    why = "; ".join(f"#{r.index} {r.kind} on {r.target} at {r.planned}: {r.why}" for r in missed)
+        return Check(FIRED, True, f"{len(rows)} of {len(rows)} fired")
+
+    def why(r: FaultRow) -> str:
+        if r.index not in beyond or max_restarts is None:
+            return str(r.why)
+        return (f"planned in attempt {r.attempt}, past --max-restarts {max_restarts}: the job gives up "
+                f"after {max_restarts + 1} failure(s), so it can never fire; plan at most "
+                f"{max_restarts + 1} fault(s) that need a restart, or raise --max-restarts")
+    said = "; ".join(f"#{r.index} {r.kind} on {r.target} at {r.planned}: {why(r)}" for r in missed)
     return Check(FIRED, allow, f"{len(missed)} of {len(rows)} did not fire"
-                 + (" (allowed by --allow-unfired)" if allow else "") + f": {why}")
+                 + (" (allowed by --allow-unfired)" if allow else "") + f": {said}")
 
 
 def _invariants(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts: int,
@@ -568,6 +598,24 @@ def _lost_cell(r: FaultRow) -> str:
     return "unknown" if r.fired and r.needs_restart and r.running_after is not None else "-"
 
 
+DATA_NOT_JUDGED = ("exactly-once data not judged: no worker recorded the batches it trained (only "
+                   "elastictk.data.DataLoader over an ElasticSampler or DistributedSampler records "
+                   "them, docs/data.md)")
+
+
+def not_judged(tot: dict[str, Any]) -> list[str]:
+    """One line each for what the records cannot judge, and why: steps lost (a script that keeps
+    no elastictk.State), the data (no recording loader). No check passes on them; a check asked
+    for on them fails with the same reason."""
+    out = []
+    if tot.get("steps_lost_unknown"):
+        out.append(f"  steps lost not judged for {tot['steps_lost_unknown']} fault(s): "
+                   f"{tot.get('steps_lost_why') or 'not recorded'}")
+    if tot.get("data_judged") is False:
+        out.append(f"  {DATA_NOT_JUDGED}")
+    return out
+
+
 def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> str:
     # "fault to ...": from the injection, on the runner's clock; not the recovery's "detect"
     # phase (the worker's exit to the agent acting on it), which has its own column.
@@ -607,6 +655,7 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
     elif tot.get("faults_clock_s") is not None:
         out.append(f"planned times count from {tot['faults_clock_s']:.1f}s, when the workers first ran")
     out += [f"  #{r.index} did not fire: {r.why}" for r in rows if not r.fired]
+    out += not_judged(tot)
     out.append("")
     out += [f"  [{'ok' if c.ok else 'BROKEN'}] {c.name}: {c.detail}" for c in checks]
     return "\n".join(out)

@@ -46,6 +46,14 @@ def resumed(step: Optional[int]) -> None:
     _base, _handed = int(step or 0), 0
 
 
+def resumed_at() -> Optional[int]:
+    """The step the last ``State.restore()`` of this process brought back (0: nothing to
+    restore), or None when it was not called (or not under chaos): where the job's own step
+    numbering stands before this process's first step (``elastictk.faults.auto`` counts on
+    from it)."""
+    return _base
+
+
 def at_step(step: int, attempt: int, world: int) -> None:
     """``run_elastic`` is about to run step ``step`` (the value ``state.step`` will have after
     it) in the generation whose restart count is ``attempt``, of ``world`` ranks."""

@@ -13,9 +13,12 @@ Two ways of counting, chosen by ``ELASTICTK_FAULT_AUTO`` (see ``env``):
 - ``N`` (an integer >= 1): every ``N`` calls of ``torch.distributed.all_reduce`` from Python
   start a step (for loops without an optimizer; DDP's buckets are not seen).
 
-The count is this process's: after a step number ``n`` the faults planned at step ``<= n`` fire.
-It restarts at 0 in every process, so a job resumed from a checkpoint counts from 0 again (the
-planned step is then "steps into this attempt"). Scripts that know their step take over:
+The count is in the job's own step numbers: the step ``State.restore()`` brought back (read
+at the first optimizer step, from ``elastictk.data.record``; 0 when it restored nothing) plus
+the optimizer steps run since, so a job resumed from a snapshot reaches a planned step where a
+job run from the start would. A process that never calls ``restore()`` counts from 0 (a
+script that keeps its own ``torch.save`` checkpoints: the runtime cannot know where it
+resumed). After step ``n`` the faults planned at step ``<= n`` fire. Scripts that know their step take over:
 ``elastictk.faults.fault_point(step)`` and ``run_elastic``'s own step report outrank this count
 (see ``inworker``).
 
@@ -129,8 +132,18 @@ def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = optimizer
     if owner is not optimizer:
         return  # a second optimizer of the same loop: its steps are the same steps
+    if _optimizer_steps == 0:
+        _optimizer_steps = _resumed_step()
     _optimizer_steps += 1
     inworker.auto_step(_optimizer_steps)
+
+
+def _resumed_step() -> int:
+    """Where the job's numbering stands at this process's first optimizer step: the step
+    ``State.restore()`` brought back, else 0 (imported here: torch is loaded by now)."""
+    from ..data import record
+
+    return record.resumed_at() or 0
 
 
 def optimizer_steps() -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -19,8 +20,21 @@ CMD = ["--", TRAIN, "--steps", "10", "--ckpt-every", "3", "--step-time", "0.01",
 def test_a_planned_run_keeps_every_invariant_and_replays(tmp_path: Path) -> None:
     plan = plan_of([Fault.of("sigsegv", "rank:1", at_step=3), Fault.of("exit:3", "rank:0", at_step=7)])
     plan.save(tmp_path / "plan.json")
+    # Left in the report directory: modules where the workers' sitecustomize used to live (the
+    # venv's .pth imports _distutils_hack at every interpreter start) and symlinks at the
+    # report's names. Nothing there is ever imported, and no link is followed.
+    site, victim, ran = tmp_path / "r" / "elastictk-site", tmp_path / "victim", tmp_path / "ran"
+    site.mkdir(parents=True)
+    for module in ("_distutils_hack.py", "sitecustomize.py"):
+        (site / module).write_text(f"open({str(ran)!r}, 'a').write('{module}\\n')\n")
+    victim.write_text("kept\n")
+    for name in ("chaos-report.json", "job-stdout.log", "job-stderr.log", "chaos-plan.json"):
+        (tmp_path / "r" / name).symlink_to(victim)
+    sites_before = set(Path(tempfile.gettempdir()).glob("elastictk-site-*"))
     r = chaos(tmp_path, "--plan", "plan.json", "--ckpt-every", "3", "--compare-fault-free", *JOB, *CMD)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert not ran.exists() and victim.read_text() == "kept\n"
+    assert set(Path(tempfile.gettempdir()).glob("elastictk-site-*")) == sites_before  # removed
     d = report(tmp_path)
     assert [f["fired"] for f in d["faults"]] == [True, True]
     assert all(c["ok"] for c in d["checks"]) and len(d["checks"]) == 8, d["checks"]

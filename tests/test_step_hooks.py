@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -33,11 +34,22 @@ for i in range({steps}):
 """
 
 
+SITE = ""  # each test's private sitecustomize directory (fenv.private_site), removed after it
+
+
+@pytest.fixture(autouse=True)
+def _site() -> Iterator[None]:
+    global SITE
+    with fenv.private_site() as SITE:
+        yield
+
+
 def _env(tmp: Path, plan: object, **extra: str) -> dict[str, str]:
     path = tmp / "plan.json"
     plan.save(path)  # type: ignore[attr-defined]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICTK_")}
-    env.update(fenv.worker_env(path, auto="optimizer", log_path=tmp / "faults.jsonl", base_env=env))
+    env.update(fenv.worker_env(path, auto="optimizer", log_path=tmp / "faults.jsonl", base_env=env,
+                               site=SITE))
     env.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT="0", **extra)
     return env
 
@@ -114,7 +126,7 @@ def _steps_in_block(tmp_path: Path, pre: str, each: str, n_opt: int = 1, steps: 
         if not with_hook:
             benv.pop(mworker.ENV_HOOKS)
         env.update(benv, LOCAL_RANK="0", RANK="0", TORCHELASTIC_RESTART_COUNT="0",
-                   PYTHONPATH=os.pathsep.join([fenv.site_dir(tmp_path / "plan.json"), str(ROOT)]))
+                   PYTHONPATH=os.pathsep.join([SITE, str(ROOT)]))
         r = _run(OPT_LOOP.format(pre=pre, n_opt=n_opt, steps=steps, each=each), env)
         assert r.returncode == 0, r.stderr
         return block.snapshot()[0].steps

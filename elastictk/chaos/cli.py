@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
+from .._paths import Unsafe, check_own_file, write_file
 from ..faults import FaultPlan, PlanError, generate_plan
 from ..faults.kinds import HANGS
 from ..faults.plan import read_json
@@ -261,7 +263,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         ns, launcher, command = parse(sys.argv[1:] if argv is None else argv)
         check_flags(ns)
-        if ns.replay:  # nested, huge or not UTF-8: one line before the report's fields are read
+        if ns.replay:  # another user's, nested, huge or not UTF-8: one line before it is read
+            replay_owned(ns.replay)
             read_json(ns.replay, "the chaos report", max_bytes=MAX_REPORT_BYTES, allow_nan=True)
         replay = report.load_replay(ns.replay) if ns.replay else None
         if replay is not None:
@@ -353,9 +356,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     data = report.to_json(plan, rec, rows, checks, launcher, command, multi)
     if interrupted is not None:
         data["interrupted"] = signal.Signals(interrupted).name
-    (out / "chaos-report.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / "job-stdout.log").write_text(rec.stdout)
-    (out / "job-stderr.log").write_text(rec.stderr)
+    # Renamed into place (_paths.write_file): a symlink planted under a name is never followed.
+    write_file(out / "chaos-report.json", json.dumps(data, indent=2) + "\n")
+    write_file(out / "job-stdout.log", rec.stdout)
+    write_file(out / "job-stderr.log", rec.stderr)
     picture = write_timeline(rec, out / "chaos-timeline.png", world, title=run_name(command, world), seed=plan.seed)
     print(f"{PROG}: report in {out}/chaos-report.json, {picture}", file=sys.stderr)
     broken = [c for c in checks if not c.ok]
@@ -366,6 +370,18 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     for c in broken:
         print(f"{PROG}: invariant broken: {c.name}: {c.detail}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def replay_owned(path: str) -> None:
+    """``--replay REPORT`` runs the report's command and flags (a ``--health-check`` shell
+    included): only a report this user wrote, that nobody else can write or swap, is run."""
+    if not os.path.lexists(path):
+        return  # read_json says so, in its own line
+    try:
+        check_own_file(path)
+    except Unsafe as e:
+        raise Usage(f"--replay {path}: {e}; replay only a report you wrote (another user's "
+                    "report runs their command as you)") from None
 
 
 def fault_free_problem(clean: RunRecord, stdout: Path) -> Optional[str]:

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from .._paths import Unsafe, make_own_dir
+
 #: ``--faults`` at most: each is a separate restart of the job; a plan of more is a typo.
 MAX_FAULTS = 1000
 #: ``--at-seconds`` at most (the generator's bound): about 30 years.
@@ -106,7 +108,9 @@ def in_flag_terms(problem: str, ns: argparse.Namespace) -> str:
 
 
 def report_dir(text: str) -> Path:
-    """Create ``--report-dir`` (and its parents) now, before the job, or say why not."""
+    """Create ``--report-dir`` (and its parents) now, before the job, or say why not. A directory
+    another user made first (in a shared ``/tmp``), or one others can write, is refused: whoever
+    can write it can plant a symlink where the report goes or a module where Python looks."""
     out = Path(text)
     blocker: Optional[Path] = None
     for parent in (out, *out.parents):
@@ -117,11 +121,13 @@ def report_dir(text: str) -> Path:
         where = "is a file" if blocker == out else f"is under {blocker}, a file"
         raise FlagError(f"--report-dir {text}: {where}, not a directory; pick a directory, e.g. "
                         "--report-dir chaos-report")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+    try:  # made 0700 if missing; an existing one must be this user's, not writable by others
+        make_own_dir(out, "report directory")
     except OSError as e:
         raise FlagError(f"--report-dir {text}: cannot create it ({e.strerror or e}); pick a "
                         "directory you can write") from None
+    except Unsafe as e:
+        raise FlagError(f"--report-dir {text}: {e}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise FlagError(f"--report-dir {text}: not writable; pick a directory you can write")
     return out

@@ -20,6 +20,7 @@ agent's group rank, ``workers_started`` its workers' PIDs by local rank, so glob
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -28,10 +29,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..faults import FaultPlan
+from ..faults.env import private_site
 from ..metrics.events import read_events
 from .cluster import Cluster
 from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
-    _shm, fault_env, late, read_fault_log, read_worker_records, record_leaks, stop_requested, stopped_by
+    _shm, fault_env, fresh_log, late, read_fault_log, read_worker_records, record_leaks, stop_requested, \
+    stopped_by
 
 FULL_SIZE_WAIT = 60.0
 
@@ -80,15 +83,27 @@ def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command:
               rejoin_s: Optional[float] = None,
               progress: Optional[Callable[[RunRecord], None]] = None, tag: str = "chaos",
               auto_steps: bool = True) -> RunRecord:
-    """Run the job on ``nodes`` agents to its end (or ``timeout``), injecting ``plan``."""
+    """Run the job on ``nodes`` agents to its end (or ``timeout``), injecting ``plan``; the
+    workers' sitecustomize lives in a private temporary directory for the run's length."""
+    with contextlib.ExitStack() as stack:
+        site = stack.enter_context(private_site()) if plan is not None and auto_steps else None
+        return _run_nodes(plan, launcher_flags, command, out_dir, nodes=nodes, backend=backend,
+                          nproc=nproc, timeout=timeout, rejoin_s=rejoin_s, progress=progress, tag=tag,
+                          auto_steps=auto_steps, site=site)
+
+
+def _run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
+               out_dir: Path, *, nodes: int, backend: str, nproc: int, timeout: float,
+               rejoin_s: Optional[float], progress: Optional[Callable[[RunRecord], None]], tag: str,
+               auto_steps: bool, site: Optional[str]) -> RunRecord:
     out_dir.mkdir(parents=True, exist_ok=True)
     fault_log = out_dir / f"{tag}-faults.jsonl"
-    fault_log.unlink(missing_ok=True)
+    fresh_log(fault_log)
     run_dir = out_dir / f"{tag}-run"
     command = [a.replace("{run_dir}", str(run_dir)) for a in command]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan is not None:
-        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps))
+        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps, site=site))
     shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=[], started=time.monotonic(), nodes=nodes, backend=backend)
 

@@ -13,6 +13,7 @@ after a grace period.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -27,9 +28,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import psutil
 
+from .._paths import open_append, write_file
 from .._safejson import loads as safe_loads
 from ..faults import FaultPlan
-from ..faults.env import AUTO_OPTIMIZER, worker_env
+from ..faults.env import AUTO_OPTIMIZER, private_site, worker_env
 from ..lifetime import procfs
 from ..lifetime.reaper import dies_with_caller
 from ..metrics.events import read_events
@@ -151,12 +153,18 @@ def make_run_dir(out_dir: Path, tag: str) -> Path:
 
 def keep_output(rec: RunRecord, logs: Path) -> Path:
     """Write the job's relayed stdout and stderr into ``logs`` (made if missing), where error
-    lines point; returns the stdout file."""
-    logs.mkdir(parents=True, exist_ok=True)
-    (logs / "job-stderr.log").write_text(rec.stderr)
-    out = logs / "job-stdout.log"
-    out.write_text(rec.stdout)
-    return out
+    lines point; returns the stdout file. Each file is renamed into place (``_paths``): a
+    symlink planted under its name is replaced, never followed."""
+    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_file(logs / "job-stderr.log", rec.stderr)
+    return write_file(logs / "job-stdout.log", rec.stdout)
+
+
+def fresh_log(path: Path) -> None:
+    """``path`` made anew, empty and this user's (``O_NOFOLLOW``): what a file left there
+    before (or a symlink) held never reaches the report, and a link is never followed."""
+    path.unlink(missing_ok=True)
+    os.close(open_append(path))
 
 
 def launcher_argv(launcher_flags: Sequence[str], command: Sequence[str], events: Path, logs: Path) -> list[str]:
@@ -168,16 +176,26 @@ def launcher_argv(launcher_flags: Sequence[str], command: Sequence[str], events:
 def run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
             out_dir: Path, *, timeout: float, progress: Optional[Callable[[RunRecord], None]] = None,
             tag: str = "chaos", auto_steps: bool = True) -> RunRecord:
-    """Run the job to its end (or ``timeout``), injecting ``plan``; return the record."""
+    """Run the job to its end (or ``timeout``), injecting ``plan``; return the record. The
+    workers' sitecustomize lives in a private temporary directory for the run's length."""
+    with contextlib.ExitStack() as stack:
+        site = stack.enter_context(private_site()) if plan is not None and auto_steps else None
+        return _run_job(plan, launcher_flags, command, out_dir, timeout=timeout, progress=progress,
+                        tag=tag, auto_steps=auto_steps, site=site)
+
+
+def _run_job(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
+             out_dir: Path, *, timeout: float, progress: Optional[Callable[[RunRecord], None]],
+             tag: str, auto_steps: bool, site: Optional[str]) -> RunRecord:
     out_dir.mkdir(parents=True, exist_ok=True)
     events, fault_log = out_dir / f"{tag}-events.jsonl", out_dir / f"{tag}-faults.jsonl"
-    for p in (events, fault_log):
-        p.unlink(missing_ok=True)
+    events.unlink(missing_ok=True)
+    fresh_log(fault_log)
     # The agent relays worker output through its own stdout: unbuffered, lines arrive as printed.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = with_run_dir(command, out_dir, tag)
     if plan is not None:
-        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps))
+        env.update(fault_env(plan, out_dir, tag, fault_log, auto_steps=auto_steps, site=site))
     argv = launcher_argv(launcher_flags, command, events, out_dir / f"{tag}-logs")
     shm_before, ports_before = _shm(), _listening()
     rec = RunRecord(argv=argv, started=time.monotonic())
@@ -260,11 +278,12 @@ def stop_process(proc: "subprocess.Popen[str]", grace: float = STOP_GRACE_S) -> 
 
 
 def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path,
-              auto_steps: bool = True) -> dict[str, str]:
+              auto_steps: bool = True, site: Optional[str] = None) -> dict[str, str]:
     """The workers' environment that arms the plan's step faults (saved next to the report);
-    ``auto_steps`` counts optimizer steps for scripts that never call ``checkpoint``."""
+    ``auto_steps`` counts optimizer steps for scripts that never call ``checkpoint``, through
+    the sitecustomize in ``site`` (:func:`~elastictk.faults.env.private_site`)."""
     return worker_env(plan.save(out_dir / f"{tag}-plan.json"), log_path=fault_log,
-                      auto=AUTO_OPTIMIZER if auto_steps else 0)
+                      auto=AUTO_OPTIMIZER if auto_steps else 0, site=site)
 
 
 def _fault_lines(fault_log: Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ draws it again from a report directory (``record_from_dir``).
 """
 from __future__ import annotations
 
+import io
 import json
 import re
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .._paths import write_file
 from ..metrics.events import read_events
 from .multinode import tag_events
 from .runner import Injection, RunRecord
@@ -220,7 +222,9 @@ def draw(rec: RunRecord, path: Path, world: int, *, title: str = "chaos run",
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14 - 0.25 / n),
                   ncol=len(handles), frameon=False, fontsize=8)
         fig.tight_layout()
-        fig.savefig(path)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_file(path, png.getvalue())  # renamed into place: a planted symlink is not followed
     finally:
         plt.close(fig)
     return path

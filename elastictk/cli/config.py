@@ -18,7 +18,7 @@ from ..snapshot.settings import MIN_REGION
 from ..snapshot.settings import TIERS as SNAPSHOT_TIERS
 from ..snapshot.trust import usable_root
 from ..store.endpoint import Endpoint
-from .preflight import check_event_log, check_writable_dir
+from .preflight import check_event_log, check_log_dir
 from .values import (
     BACKENDS, HANG_MODES, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
     START_METHODS, Std, UsageError,
@@ -282,7 +282,7 @@ def check_system(config: LaunchConfig) -> None:
         )
     _check_script(c)
     if c.log_dir is not None and c.logs_specs is None:  # a --logs-specs class judges its own
-        check_writable_dir(c.log_dir, "--log-dir")
+        check_log_dir(c.log_dir)
     if c.event_log is not None:
         check_event_log(c.event_log)
     if c.snapshot_dir is not None and "disk" in c.snapshot:

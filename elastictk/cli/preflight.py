@@ -14,6 +14,7 @@ import stat
 import tempfile
 from typing import Protocol
 
+from .._paths import Unsafe, check_file_dir, dir_problem, open_append
 from ..store.endpoint import Endpoint
 from .values import UsageError
 
@@ -139,8 +140,31 @@ def check_event_log(path: str) -> None:
     if not os.path.isdir(probe):
         raise UsageError(f"--event-log {path}: {probe} is a file, so the log cannot be made "
                          "under it; give a path in a directory")
-    check_writable_dir(os.path.dirname(os.path.abspath(path)), "--event-log",
-                       named=f"--event-log {path}")
+    parent = os.path.dirname(os.path.abspath(path))
+    check_writable_dir(parent, "--event-log", named=f"--event-log {path}")
+    # The agent (maybe root) appends to it: a directory another user made or can write, a
+    # symlink planted there, another user's file are refused (_paths), never followed.
+    try:
+        if os.path.isdir(parent):
+            check_file_dir(parent, "directory for the event log")
+        if os.path.lexists(path):
+            os.close(open_append(path))
+    except Unsafe as e:
+        raise UsageError(f"--event-log {path}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"--event-log {path}: cannot open it ({e.strerror or e}); give a "
+                         "file path you can write") from None
+
+
+def check_log_dir(path: str) -> None:
+    """``--log-dir``: writable (or can be made), and, when it exists, this user's and not
+    writable by others: whoever can write it can rename a run's directory away or plant
+    links where the agent writes logs."""
+    check_writable_dir(path, "--log-dir")
+    if os.path.isdir(path):
+        problem = dir_problem(path, "log directory")
+        if problem is not None:
+            raise UsageError(f"--log-dir {path}: {problem}")
 
 
 def endpoint_flag(config: Where) -> str:

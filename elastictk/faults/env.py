@@ -9,8 +9,8 @@
 - ``ELASTICTK_WORKER_HOOKS``: comma-separated ``elastictk.*`` modules each worker activates at
   start (``activate_from_env()``) and ``run_elastic`` tells of each step (``on_loop_step``):
   here ``elastictk.faults.auto``. Read by ``elastictk/supervisor/child.py`` in forked workers,
-  by a ``sitecustomize.py`` in subprocess workers (:func:`worker_env` writes
-  :data:`SITECUSTOMIZE` into a directory next to the plan and puts it first on their
+  by a ``sitecustomize.py`` in subprocess workers (:func:`worker_env` puts the private
+  directory :func:`private_site` wrote :data:`SITECUSTOMIZE` into first on their
   ``PYTHONPATH``) and by ``elastictk/inplace/loop.py``; the metrics' steps block adds
   ``elastictk.metrics.worker`` the same way.
 - ``ELASTICTK_FAULT_LOG``: a file each worker appends one JSON line to just before it injects a
@@ -25,8 +25,11 @@ itself on its first call.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 ENV_PLAN = "ELASTICTK_FAULT_PLAN"
 ENV_AUTO = "ELASTICTK_FAULT_AUTO"
@@ -36,7 +39,7 @@ ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"
 HOOK = "elastictk.faults.auto"
 AUTO_OPTIMIZER = "optimizer"
 DEFAULT_HANG_LIMIT_S = 3600.0
-SITE_NAME = "elastictk-site"  # the directory next to the plan that holds SITECUSTOMIZE
+SITE_PREFIX = "elastictk-site-"  # the private temporary directory that holds SITECUSTOMIZE
 
 #: The interpreter-start hook of subprocess workers (a fresh interpreter runs no code of the
 #: launcher's): step aside for the sitecustomize it shadows (the timer's, a user's, a
@@ -88,14 +91,16 @@ def add_hook(current: Optional[str], module: str) -> str:
 def worker_env(plan_path: str | os.PathLike[str], *, auto: int | str = 0,
                log_path: str | os.PathLike[str] | None = None,
                hang_limit_s: Optional[float] = None,
-               base_env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+               base_env: Optional[Mapping[str, str]] = None,
+               site: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """The variables to add to every worker's environment for ``plan_path``.
 
     ``auto`` turns on the automatic step count: ``"optimizer"`` (optimizer steps) or an integer
-    > 0 (all_reduce calls per step); it names :data:`HOOK` in ``ELASTICTK_WORKER_HOOKS``, writes
-    :data:`SITECUSTOMIZE` into :func:`site_dir` and puts that first on ``PYTHONPATH``, keeping
-    ``base_env``'s entries after it (pass the environment the worker would otherwise get,
-    including other launcher additions such as the timer's, so neither hides the other).
+    > 0 (all_reduce calls per step); it names :data:`HOOK` in ``ELASTICTK_WORKER_HOOKS`` and puts
+    ``site`` (the directory :func:`private_site` yields, which must be given) first on
+    ``PYTHONPATH``, keeping ``base_env``'s entries after it (pass the environment the worker
+    would otherwise get, including other launcher additions such as the timer's, so neither
+    hides the other).
     """
     if auto != AUTO_OPTIMIZER and (isinstance(auto, bool) or not isinstance(auto, int)
                                    or auto < 0):
@@ -109,26 +114,42 @@ def worker_env(plan_path: str | os.PathLike[str], *, auto: int | str = 0,
             raise ValueError(f"hang limit {hang_limit_s!r} must be > 0 seconds")
         env[ENV_HANG_LIMIT] = repr(float(hang_limit_s))
     if auto:
+        if site is None:
+            raise ValueError("auto steps need site=: the private directory of the workers' "
+                             "sitecustomize.py, from `with private_site() as site:`")
         env[ENV_AUTO] = str(auto)
         base = os.environ if base_env is None else base_env
         env[ENV_HOOKS] = add_hook(base.get(ENV_HOOKS), HOOK)
-        site = site_dir(plan_path)
-        rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
-        env["PYTHONPATH"] = os.pathsep.join([site, *rest])
+        rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(site)]
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *rest])
     return env
 
 
-def site_dir(plan_path: str | os.PathLike[str]) -> str:
-    """The directory next to ``plan_path`` holding the subprocess workers' ``sitecustomize.py``
-    (written now, private to the user: it is code every worker runs)."""
-    d = Path(plan_path).resolve().parent / SITE_NAME
-    d.mkdir(mode=0o700, exist_ok=True)
-    f = d / "sitecustomize.py"
-    if not f.exists() or f.read_text() != SITECUSTOMIZE:
-        tmp = d / f".sitecustomize.{os.getpid()}.tmp"
-        tmp.write_text(SITECUSTOMIZE)
-        os.replace(tmp, f)
-    return str(d)
+def site_dir() -> str:
+    """A new directory holding the subprocess workers' ``sitecustomize.py``: code every worker
+    runs at start, so it lives nowhere another user could have made or written first
+    (``tempfile.mkdtemp``: this user's, mode 0700, an unpredictable name), never in a report
+    or plan directory. The caller removes it (:func:`private_site` does)."""
+    d = tempfile.mkdtemp(prefix=SITE_PREFIX)
+    try:
+        fd = os.open(os.path.join(d, "sitecustomize.py"),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(SITECUSTOMIZE)
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return d
+
+
+@contextmanager
+def private_site() -> Iterator[str]:
+    """:func:`site_dir` for the length of a job, removed at the end (also when the job fails)."""
+    d = site_dir()
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def hang_limit(environ: Optional[Mapping[str, str]] = None) -> float:

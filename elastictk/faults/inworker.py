@@ -296,7 +296,8 @@ def _log(entry: dict[str, object]) -> None:
     if not path:
         return
     try:  # one O_APPEND write: lines from several workers never interleave
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)  # a planted symlink is refused (ELOOP), never followed
         try:
             os.write(fd, (json.dumps(entry) + "\n").encode())
         finally:

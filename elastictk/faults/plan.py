@@ -240,12 +240,12 @@ class FaultPlan:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan atomically (a worker reading it never sees half a file)."""
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}")
-        tmp.write_text(self.dumps(), encoding="utf-8")
-        os.replace(tmp, p)
-        return p
+        """Write the plan atomically (a worker reading it never sees half a file), through a
+        fresh ``O_EXCL|O_NOFOLLOW`` temporary name renamed into place: a symlink planted at the
+        plan's name, or at a predictable temporary name, is never followed."""
+        from .._paths import write_file
+
+        return write_file(path, self.dumps())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FaultPlan:

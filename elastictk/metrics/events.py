@@ -9,9 +9,10 @@
 ``mono`` (``CLOCK_MONOTONIC``) orders and subtracts events of one host exactly; ``wall`` is for
 people and for lining up hosts. Fields sit under ``"fields"`` so no field can shadow the
 envelope. The file is created mode 0600 (its directory, if made here, 0700) and opened
-``O_APPEND``, and each line is one ``write()``: lines are flushed as they happen, never
-overwritten by a later attempt or run, and two agents appending to one file interleave whole
-lines.
+``O_APPEND|O_NOFOLLOW`` in a directory of this user's that others cannot write (or a sticky one
+such as ``/tmp``; see ``elastictk/_paths.py``), and each line is one ``write()``: lines are
+flushed as they happen, never overwritten by a later attempt or run, and two agents appending
+to one file interleave whole lines.
 
 The default place is ``<log_dir>/<run_id>/events.jsonl``, beside the attempt logs. That
 directory is claimed when the first workers start, so an ``EventLog()`` without a path keeps
@@ -35,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from .._paths import Unsafe, check_file_dir, open_append
 from .._safejson import loads
 
 log = logging.getLogger("elastictk.metrics")
 
 FILE_NAME = "events.jsonl"
 ENVELOPE = ("seq", "kind", "time", "wall", "mono", "pid", "run_id", "node_id", "fields")
-_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 
 class EventLogError(RuntimeError):
@@ -125,7 +126,12 @@ class EventLog:
             target = Path(path)
             try:
                 os.makedirs(target.parent, mode=0o700, exist_ok=True)
-                fd = os.open(target, _FLAGS, 0o600)  # the log names hosts, pids and paths
+                # Another user's directory (or a symlink planted in /tmp) is refused, not
+                # followed: the agent may run as root (_paths).
+                check_file_dir(target.parent, "directory for the event log")
+                fd = open_append(target, 0o600)  # the log names hosts, pids and paths
+            except Unsafe as e:
+                raise EventLogError(f"cannot write event log {target}: {e}") from None
             except OSError as e:
                 raise EventLogError(f"cannot write event log {target}: {e.strerror or e}; "
                                     "pass a writable --event-log path or --log-dir") from None

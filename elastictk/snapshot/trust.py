@@ -29,6 +29,8 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
+from .._paths import owner_problem
+
 CONTEXT = b"elastictk-snapshot/1"
 SEALED, UNSEALED = b"hmac-sha256 ", b"unsealed"
 MAX_MARKER = 64 << 20  # bytes: a marker names every rank's files; far above a 100k-rank job's
@@ -56,13 +58,9 @@ def private_dir(path: Path) -> None:
         raise Refused(f"{path} is a symlink")
     if not stat.S_ISDIR(st.st_mode):
         raise Refused(f"{path} is not a directory")
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise Refused(f"{path} is owned by user id {st.st_uid}, not by this user (id {uid})")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise Refused(f"{path} is writable by group or others (mode {mode:04o}); "
-                      f"run chmod go-w {path}")
+    problem = owner_problem(path, st)
+    if problem is not None:
+        raise Refused(problem)
 
 
 def read_small(path: Path, limit: int) -> bytes:

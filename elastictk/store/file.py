@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 from urllib.parse import quote_from_bytes, unquote_to_bytes
 
+from .._paths import owner_problem
 from . import _inotify
 from .base import DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout
 
@@ -154,17 +155,10 @@ class FileStore(Store):
 
     def _check_private(self, st: os.stat_result) -> None:
         """Refuse a directory another user could plant files in or swap keys of."""
-        uid = os.geteuid()
-        if st.st_uid != uid:
-            raise StoreError(
-                f"cannot use {self.path} for a file store: it is owned by user id {st.st_uid}, not by "
-                f"the current user (id {uid}); use a directory of your own (it is created mode 0700 if "
-                "missing)")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise StoreError(
-                f"cannot use {self.path} for a file store: it is writable by group or others (mode "
-                f"{mode:04o}); run chmod go-w {self.path}, or use a private directory")
+        problem = owner_problem(self.path, st)
+        if problem is not None:
+            raise StoreError(f"cannot use {self.path} for a file store: {problem} (a missing one is "
+                             "created mode 0700)")
 
     def _path_error(self, problem: str | OSError) -> StoreError:
         if isinstance(problem, PermissionError):

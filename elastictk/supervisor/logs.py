@@ -37,6 +37,7 @@ from pathlib import Path
 from string import Template
 from typing import Iterator, Optional, TextIO, TypeAlias
 
+from .._paths import dir_problem
 from .spec import Std, WorkerSpec, std_for
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
@@ -72,6 +73,11 @@ def claim_run_dir(log_dir: Path, run_id: str) -> Path:
         os.makedirs(log_dir, mode=DIR_MODE, exist_ok=True)  # a new one private; an old one as is
     except OSError as e:
         raise LogDirError(f"cannot create log dir {log_dir}: {e.strerror}; pass a writable --log-dir") from None
+    # Whoever else can write the log dir can rename the run's directory away or plant links in
+    # its place (_paths): it must be this user's, not writable by others.
+    problem = dir_problem(log_dir, "log directory")
+    if problem is not None:
+        raise LogDirError(f"cannot use log dir {log_dir}: {problem}")
     for n in range(10_000):
         candidate = log_dir / (run_id if n == 0 else f"{run_id}.{n}")
         try:

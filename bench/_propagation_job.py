@@ -43,15 +43,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import psutil
 
+from ._trainlog import FINAL, PIDS, WORKER
 from .common import BenchError
 
-WORKER = re.compile(
-    r"\[rank (?P<rank>\d+)\] (?:step (?P<step>\d+) loss"
-    r"|resumed at step (?P<resumed>\d+) \(attempt (?P<attempt>\d+)\))"
-)
-FINAL = re.compile(r"final checksum (\w+) after (\d+) steps")
 ETK_EVENT = re.compile(r"\[elastictk-run\] (\w+)(.*)")
-PIDS = re.compile(r"(\d+): (\d+)")
 GROUP_RANK = re.compile(r"\brank=(\d+)")
 TORCH_EVENTS = (
     (re.compile(r"Worker group (?:FAILED|UNHEALTHY)"), "torch_group_failed"),

@@ -42,15 +42,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import psutil
 
+from ._trainlog import FINAL, PIDS, WORKER
 from .common import BenchError
 
-WORKER = re.compile(
-    r"\[rank (?P<rank>\d+)\] (?:step (?P<step>\d+) loss"
-    r"|resumed at step (?P<resumed>\d+) \(attempt (?P<attempt>\d+)\))"
-)
-FINAL = re.compile(r"final checksum (\w+) after (\d+) steps")
 AGENT = re.compile(r"\[elastictk-run\] (\w+)(.*)")
-PIDS = re.compile(r"(\d+): (\d+)")
 # torchrun's agent says little at its default log level; these two lines it does print.
 TORCH_MARKS = (
     (re.compile(r"failed \(exitcode: "), "torch_worker_failed"),

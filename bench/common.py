@@ -313,3 +313,23 @@ def raise_fd_limit(need: int) -> int:
         soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return int(soft)
+
+
+def kill_tree(pid: int) -> tuple[float, list[int]]:
+    """SIGKILL process ``pid`` and every process under it at once (listed first, so none is
+    reparented out of reach); the monotonic time just before the first kill, and the PIDs found
+    (for the caller's leak check). A process already gone is no error."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    t = time.monotonic()
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return t, [p.pid for p in procs]

@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import psutil
 
-from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved, kill_tree
 
 if TYPE_CHECKING:  # pragma: no cover - the test hosts live with the tests (root, iproute2)
     from tests.helpers.netns import Hosts
@@ -141,31 +140,14 @@ class Run:
 
     def kill_host(self, i: int) -> float:
         """SIGKILL host ``i``'s agent and every process under it at once; the kill's time."""
-        root = psutil.Process(self.agents[i].pid)
-        procs = [root] + root.children(recursive=True)
-        self.pids += [p.pid for p in procs]
-        t = time.monotonic()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        t, pids = kill_tree(self.agents[i].pid)
+        self.pids += pids
         return t
 
     def close(self) -> list[int]:
         """Kill what is left (by PID, trees first) and return every PID this run started."""
         for a in self.agents:
-            try:
-                root = psutil.Process(a.pid)
-                procs = [root] + root.children(recursive=True)
-            except psutil.NoSuchProcess:
-                procs = []
-            self.pids += [p.pid for p in procs]
-            for p in procs:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            self.pids += kill_tree(a.pid)[1]
             a.wait()
         return self.pids + [a.pid for a in self.agents]
 
@@ -249,8 +231,10 @@ def run(cfg: RunConfig) -> BenchResult:
     notes: list[str] = []
     rows: list[Comparison] = []
     counter = iter(range(1000))
+    tags: list[str] = []  # each set of test hosts, for a teardown check that ignores other runs'
     try:
         with Hosts(3) as hosts:
+            tags.append(hosts.tag)
             cfg.log(f"{rounds} round(s) of: 3 hosts, lose host C ({', '.join(subjects)})")
             got = interleaved(subjects, lambda s: _lose_a_host(hosts, s, base, f"{s}-{next(counter)}", pids),
                               rounds)
@@ -281,6 +265,7 @@ def run(cfg: RunConfig) -> BenchResult:
                              f"etcd member SIGKILLed at once; two members remain, a quorum): {what}")
         if not cfg.quick:
             with Hosts(4) as hosts4:
+                tags.append(hosts4.tag)
                 cfg.log(f"{rounds} round(s) of: lose host C with and without a spare on host D (elastictk)")
                 arms = {"spare": _lose_a_host_with_a_spare, "none": _lose_a_host}
                 got = interleaved(list(arms), lambda arm: arms[arm](
@@ -303,6 +288,6 @@ def run(cfg: RunConfig) -> BenchResult:
         name="multinode", title=TITLE, description=(__doc__ or "").strip(), unit="s",
         higher_is_better=False, rows=rows, notes=notes,
         params={"rounds": rounds, "hosts": 3, "nproc_per_node": 2, "elastictk_conf": ELASTICTK_CONF,
-                "torchrun_conf": TORCH_CONF},
+                "torchrun_conf": TORCH_CONF, "host_tags": tags},
         pids=pids,
     )

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved, kill_tree
 
 TITLE = "Spares: a node of two lost, recovery with a waiting spare vs without, elastictk-run vs torchrun"
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,30 +139,13 @@ class Job:
 
     def kill_node(self, i: int) -> float:
         """SIGKILL agent ``i`` and everything under it at once; the kill's monotonic time."""
-        root = psutil.Process(self.agents[i].pid)
-        procs = [root] + root.children(recursive=True)
-        self.pids += [p.pid for p in procs]
-        t = time.monotonic()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        t, pids = kill_tree(self.agents[i].pid)
+        self.pids += pids
         return t
 
     def close(self) -> list[int]:
         for a in self.agents:
-            try:
-                root = psutil.Process(a.pid)
-                procs = [root] + root.children(recursive=True)
-            except psutil.NoSuchProcess:
-                procs = []
-            self.pids += [p.pid for p in procs]
-            for p in procs:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            self.pids += kill_tree(a.pid)[1]
             a.wait()
         return self.pids + [a.pid for a in self.agents]
 

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from elastictk.supervisor.env import Assignment
-from elastictk.supervisor.forkserver import PreloadServer, script_imports
+from elastictk.supervisor.forkserver import PreloadServer
+from elastictk.supervisor.forkwarm import script_imports
 from elastictk.supervisor.group import WorkerGroup
 from elastictk.supervisor.spec import Std, WorkerSpec, python_script_argv
 

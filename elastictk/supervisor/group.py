@@ -232,7 +232,7 @@ class WorkerGroup:
             return False
         recipe: dict[str, object] = {"cwd": os.getcwd()}
         target = None if self.spec.is_function else parse_python_argv(self.spec.argv(0))
-        if target is not None:  # what the standby may import ahead (forkserver._prewarm)
+        if target is not None:  # what the standby may import ahead (forkwarm.prewarm)
             recipe.update(kind=target.kind, target=target.target)
         self._preload_server().keep_standby(recipe)
         self._standby = True

@@ -24,7 +24,8 @@ from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .child import PassFd, function_main
-from .forkserver import PreloadServer, read_status
+from .forkserver import PreloadServer
+from .forkwire import read_status
 from .logs import RankLogs
 from ..lifetime.reaper import die_with_parent, send_signal
 from .spec import PythonTarget

@@ -2,7 +2,7 @@
 ``py-spy top`` and ``pgrep -f``.
 
 A worker forked from the preload server would otherwise carry the server's command line
-(``python -c import sys; from elastictk.supervisor.forkserver import serve; ...``), so every
+(``python -c import sys; from elastictk.supervisor.forkloop import serve; ...``), so every
 worker, and the server, looked identical and ``pgrep -f train.py`` found nothing. Here a script
 worker carries the command line torchrun would have run for it (``python -u train.py --lr 0.1``,
 ``python -u -m pkg.mod ...``) in ``/proc/<pid>/cmdline`` and its script's name in

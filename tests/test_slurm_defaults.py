@@ -57,8 +57,11 @@ def test_explicit_flags_win(script: str) -> None:
     assert "--nnodes" not in err.split("under Slurm")[1].split(";")[0].replace("--nnodes 2", "")
     code, err, config = main_for_test(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1234", script],
                                       slurm_env())
-    assert config is not None and str(config.rdzv_endpoint) == "h:1234" and "under Slurm" not in err
-    assert config.run_id == "none" and config.node_id is None
+    # another port or store: still the Slurm job, so its node count, id and node id are kept
+    assert config is not None and str(config.rdzv_endpoint) == "h:1234", err
+    assert (config.min_nodes, config.max_nodes, config.run_id, config.node_id) == (3, 3, "4242", "node02"), err
+    (line,) = [ln for ln in err.splitlines() if "under Slurm" in ln]
+    assert "--nnodes 3 --rdzv-id 4242 --rdzv-backend c10d --rdzv-endpoint h:1234 as given" in line, line
     code, err, config = main_for_test(["--standalone", script], slurm_env(SLURM_NNODES="1"))
     assert config is not None and config.standalone and "under Slurm" not in err
 
@@ -71,13 +74,18 @@ WHERE_ARGS = {"rdzv_backend": ["--rdzv-backend", "static"], "rdzv_endpoint": ["-
 @pytest.mark.parametrize("dest", sorted(WHERE_ARGS))
 def test_each_flag_that_says_where_nodes_meet_keeps_its_value_under_slurm(script: str, dest: str) -> None:
     """Any one flag that says where nodes meet (the five of slurm.defaults.WHERE_FLAGS, named here
-    so that the test does not move with the constant) given: the launch is configured as it is outside Slurm, the
-    flag's value kept, and no "under Slurm" line (Slurm's defaults would replace it)."""
+    so that the test does not move with the constant) given: the flag's value kept. A standalone
+    or static launch is configured as it is outside Slurm, with no "under Slurm" line; a c10d
+    endpoint given (another port) keeps the job's node count (test_explicit_flags_win)."""
     argv = WHERE_ARGS[dest] + [script]
     outside = {k: v for k, v in slurm_env().items() if not k.startswith("SLURM")}
     _, err_out, plain = main_for_test(argv, outside)
     code, err, config = main_for_test(argv, slurm_env())
     assert code == 0 and config is not None and plain is not None, err
+    if dest == "rdzv_endpoint":
+        assert "--rdzv-endpoint h:1234 as given" in err and config.max_nodes == 3, err
+        assert str(config.rdzv_endpoint) == str(plain.rdzv_endpoint), err
+        return
     assert "under Slurm" not in err, err
     same = ("rdzv_backend", "max_nodes", "min_nodes", "standalone")
     assert [getattr(config, k) for k in same] == [getattr(plain, k) for k in same], err
@@ -178,3 +186,30 @@ def test_elastictk_run_under_a_faked_srun(tmp_path: Path) -> None:
     assert len(said) == 1 and f"localhost:{store_port(job)}" in said[0], done.stderr
     ids = {json.loads(ln).get("node_id") for ln in events.read_text().splitlines()}
     assert "localhost" in ids, ids
+
+
+def test_a_batch_script_without_srun_says_it_runs_one_node(script: str) -> None:
+    """elastictk-run in the batch script itself (Slurm job variables, no srun step, or the
+    ``batch`` step): one line saying nothing is taken from the job and how to run on its nodes."""
+    for step in ("-", "batch"):
+        code, err, config = main_for_test([script], slurm_env(SLURM_STEP_ID=step))
+        assert code == 0 and config is not None and config.node_id is None, err
+        lines = [ln for ln in err.splitlines() if "not started by srun" in ln]
+        assert len(lines) == 1 and "train on its 3 nodes" in lines[0] and "srun ... elastictk-run" in lines[0], err
+    _, err, _ = main_for_test([script], slurm_env())  # a real srun step: not said
+    assert "not started by srun" not in err
+
+
+def test_a_node_not_in_the_node_list_says_why_instead_of_waiting(script: str) -> None:
+    """SLURMD_NODENAME not among the listed hosts: no node could tell it hosts the store (all
+    would wait out the join timeout); exit 2, one line naming both and the fix."""
+    code, err, _ = main_for_test([script], slurm_env(SLURMD_NODENAME="node02.cluster"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "SLURMD_NODENAME 'node02.cluster' is not in SLURM_JOB_NODELIST (node01, node02, node03)" in err
+    assert "--rdzv-endpoint HOST:PORT" in err
+    # the endpoint given: nothing depends on the name, the job goes on
+    code, err, config = main_for_test(["--rdzv-endpoint", "node01:29999", script],
+                                      slurm_env(SLURMD_NODENAME="node02.cluster"))
+    assert code == 0 and config is not None and config.max_nodes == 3, err
+    # only the endpoint given: the job's c10d store at another place, not torchrun's static default
+    assert config.rdzv_backend == "c10d" and "--rdzv-backend c10d --rdzv-endpoint node01:29999 as given" in err, err

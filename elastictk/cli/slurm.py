@@ -11,6 +11,7 @@ import signal
 from typing import Any, Callable
 
 from ..slurm import SlurmEnvError, job_id, launch_defaults, read, scontrol_hostnames, this_node
+from ..slurm.env import outside_srun
 from .nodes import Flags
 from .values import UsageError, parse_signals
 
@@ -26,6 +27,9 @@ def apply_slurm(c: Flags, hostnames: Callable[[str], list[str] | None] = scontro
     except SlurmEnvError as e:
         raise UsageError(f"{e}") from None
     if job is None:
+        alone = outside_srun(c.env)  # a batch script's elastictk-run: one node, said once
+        if alone is not None:
+            c.warnings.append(alone)
         return None, []
     ns = c.ns
     defaults = launch_defaults(job, {d: getattr(ns, d) for d in _GIVEN})

@@ -19,6 +19,9 @@ PORT_SPREAD = 1000
 #: The flags that say where nodes meet: any one given and elastictk takes no rendezvous default
 #: from Slurm (the user chose another way).
 WHERE_FLAGS = ("rdzv_backend", "rdzv_endpoint", "standalone", "master_addr", "master_port")
+#: Of those, the ones that only move the meeting place (another port, another backend): the
+#: job is still the Slurm job, so its node count and id are still taken (--nnodes, --rdzv-id).
+MOVED_FLAGS = ("rdzv_backend", "rdzv_endpoint")
 
 
 def store_port(job_id: str) -> int:
@@ -44,9 +47,12 @@ class LaunchDefaults:
 
 def launch_defaults(job: SlurmJob, given: dict[str, object]) -> LaunchDefaults | None:
     """What to take from ``job`` for the flags not in ``given`` (dest -> value or None), or
-    None when the user chose where nodes meet (:data:`WHERE_FLAGS`)."""
-    if any(given.get(d) not in (None, False) for d in WHERE_FLAGS):
-        return None
+    None when the user chose another way for nodes to meet (``--standalone``, a static
+    ``--master-addr``/``--master-port``). ``--rdzv-endpoint``/``--rdzv-backend`` given (another
+    port, another store) keep the job's node count and id (:data:`MOVED_FLAGS`)."""
+    chosen = [d for d in WHERE_FLAGS if given.get(d) not in (None, False)]
+    if any(d not in MOVED_FLAGS for d in chosen) or given.get("rdzv_backend") == "static":
+        return None  # static: the user numbers the nodes (--node-rank), as outside Slurm
     values: dict[str, str] = {}
     said: list[str] = []
     if given.get("nnodes") is None:
@@ -55,19 +61,41 @@ def launch_defaults(job: SlurmJob, given: dict[str, object]) -> LaunchDefaults |
     if given.get("rdzv_id") is None:
         values["rdzv_id"] = job.job_id
         said.append(f"--rdzv-id {job.job_id}")
-    endpoint = f"{job.first_host}:{store_port(job.job_id)}"
-    values.update(rdzv_backend="c10d", rdzv_endpoint=endpoint)
-    said.append(f"--rdzv-backend c10d --rdzv-endpoint {endpoint}")
     nid = node_id(job)
-    if nid is not None:
-        said.append(f"node id {nid}")
+    problem = None
+    if chosen:
+        if given.get("rdzv_backend") is None:  # only the endpoint moved: still the job's c10d store
+            values["rdzv_backend"] = "c10d"
+            said.append("--rdzv-backend c10d")
+        said.append(" ".join(f"--{d.replace('_', '-')} {given[d]}" for d in chosen) + " as given")
+    else:
+        endpoint = f"{job.first_host}:{store_port(job.job_id)}"
+        values.update(rdzv_backend="c10d", rdzv_endpoint=endpoint)
+        said.append(f"--rdzv-backend c10d --rdzv-endpoint {endpoint}")
         if job.node_name is not None:
             values["is_host"] = "1" if job.node_name == job.first_host and not job.localid else "0"
-    spares, problem = _spares(job, given.get("nnodes"))
+            problem = _not_listed(job, endpoint)
+    if nid is not None:
+        said.append(f"node id {nid}")
+    spares, too_few = _spares(job, given.get("nnodes"))
+    problem = problem or too_few
     line = (f"under Slurm job {job.job_id} step {job.step_id} ({job.nnodes} node(s), "
             f"{job.nodelist_var} expanded by {job.expanded_by}): {' '.join(said)}{spares}; "
             "flags given explicitly win")
     return LaunchDefaults(values, nid, line, problem)
+
+
+def _not_listed(job: SlurmJob, endpoint: str) -> str | None:
+    """A node whose Slurm name is not in the step's node list cannot tell whether it is the
+    first node, the store's host: every node would then wait for a store nobody hosts, up to the
+    join timeout, saying nothing. One line instead, naming both and the way out."""
+    if job.node_name in job.hosts:
+        return None
+    shown = ", ".join(job.hosts[:4]) + (", ..." if len(job.hosts) > 4 else "")
+    return (f"this node's SLURMD_NODENAME {job.node_name!r} is not in {job.nodelist_var} ({shown}): "
+            f"elastictk cannot tell whether it hosts the c10d store at {endpoint} (the first "
+            "node does); give --rdzv-endpoint HOST:PORT naming the first node as every node "
+            "reaches it, or fix the node names Slurm reports")
 
 
 def _spares(job: SlurmJob, nnodes: object) -> tuple[str, str | None]:

@@ -42,9 +42,29 @@ class SlurmJob:
         return self.hosts[0]
 
 
+#: Steps Slurm names that are not an srun step: a batch script, the extern step, salloc's shell.
+NOT_SRUN_STEPS = ("batch", "extern", "interactive")
+
+
 def under_srun(env: Mapping[str, str]) -> bool:
     """Whether this process is a task of an ``srun`` step."""
-    return bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_STEP_ID"))
+    return bool(env.get("SLURM_JOB_ID")) and bool(env.get("SLURM_STEP_ID")) and \
+        env.get("SLURM_STEP_ID", "").strip() not in NOT_SRUN_STEPS
+
+
+def outside_srun(env: Mapping[str, str]) -> str | None:
+    """The line for an ``elastictk-run`` started in a Slurm job but not by ``srun`` (in the batch
+    script itself, or salloc's shell): it runs on this one host and takes nothing from the job,
+    which is not what a script written for the job's nodes means. None in an srun step or outside
+    Slurm."""
+    if not env.get("SLURM_JOB_ID") or under_srun(env):
+        return None
+    nodes = (env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "").strip()
+    many = f"its {nodes} nodes" if nodes.isdigit() else "its nodes"
+    return (f"in Slurm job {env['SLURM_JOB_ID'].strip()[:20]} but not started by srun (no srun step: "
+            "a batch script runs on the job's first node only), so no Slurm default is taken and "
+            f"this is one node here; to train on {many}, start it as `srun ... elastictk-run ...` "
+            "(one task per node, as examples/slurm/train.sbatch does)")
 
 
 def read(env: Mapping[str, str],

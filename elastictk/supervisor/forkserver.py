@@ -34,6 +34,7 @@ an environment variable at import time sees the agent's value, not the worker's.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -97,8 +98,11 @@ class PreloadServer:
                 self._proc = fork_server(lambda: serve(ctl, preload, job), ctl, mine.fileno())
                 self.how = "forked"
             else:
-                self._proc = subprocess.Popen(
+                from .env import WITHHELD
+
+                self._proc = subprocess.Popen(  # workers fork from it: no secret of ours in its env
                     [sys.executable, "-c", code, str(theirs.fileno()), self.job or "", *self.preload],
+                    env={k: v for k, v in os.environ.items() if k not in WITHHELD},
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
                     start_new_session=True,
                     preexec_fn=dies_with_caller(),

@@ -92,6 +92,9 @@ def fork_server(run: Callable[[], None], keep_fd: int, close_fd: int) -> ForkedC
         return ForkedChild(pid)
     code = 1
     try:
+        from .forget import forget_secrets
+
+        forget_secrets()  # the owner's token (its config, argv, environment): workers fork from here
         os.setsid()
         die_with_parent(parent, int(signal.SIGKILL))
         os.close(close_fd)

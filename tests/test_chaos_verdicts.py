@@ -9,6 +9,9 @@ data are one line each.
 """
 from __future__ import annotations
 
+from typing import Any
+from pathlib import Path
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -103,3 +106,34 @@ def test_what_could_not_be_judged_is_one_line_each() -> None:
                      f"  {creport.DATA_NOT_JUDGED}"], text
     tot.update(steps_lost_unknown=0, data_judged=True)
     assert "not judged" not in creport.render([row], tot, [])
+
+
+class _Ran(Exception):
+    """Raised by the stand-in runner: the run would have started here."""
+
+
+def test_chaos_says_before_the_run_that_the_job_will_wait_for_nodes(tmp_path: Path, monkeypatch: Any,
+                                                                    capsys: Any) -> None:
+    """The line is printed before any agent starts (the runner is replaced: nothing runs);
+    a plan that leaves enough nodes prints none."""
+    from elastictk.chaos import cli
+
+    def not_run(*args: object, **kwargs: object) -> None:
+        raise _Ran()
+
+    monkeypatch.setattr(cli, "run_nodes", not_run)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    for killed, said in (([1, 2], True), ([2], False)):
+        plan_of([Fault.of("kill-agent", f"node:{n}", at_s=1 + n) for n in killed]).save(tmp_path / "p.json")
+        try:
+            cli._main(["--report-dir", str(tmp_path / "r"), "--plan", "p.json", "--nodes", "3", "--nnodes", "2:3",
+                       "--nproc-per-node", "1", "--rdzv-conf", "join_timeout=45", "--", "train.py"])
+        except _Ran:
+            pass
+        err = capsys.readouterr().err
+        line = [x for x in err.splitlines() if "fewer than --nnodes min" in x]
+        assert len(line) == int(said), err
+        if said:
+            assert "kills node(s) 1, 2 with no --rejoin: 1 node(s) will be left" in line[0]
+            assert "join timeout (45s)" in line[0], line[0]

@@ -10,13 +10,29 @@ signal N.
 """
 from __future__ import annotations
 
-import logging
 import os
+import signal
 import sys
-from typing import TYPE_CHECKING, Sequence
 
-from .cli import LaunchConfig, parse_or_exit
-from .cli.args import PROG
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C before the agent takes SIGINT over (imports, torch's, the store's wait): one line
+    and 130, not a KeyboardInterrupt traceback from deep in an import (one inside numpy's C
+    extension even turned into an ImportError). No worker runs yet; what was started dies
+    with this process (the preload server by its death signal, sockets with their fds)."""
+    os.write(2, b"elastictk-run: interrupted (Ctrl-C) while starting; the job did not run\n")
+    os._exit(130)
+
+
+if ((__name__ == "__main__" or os.path.basename(sys.argv[0]) == "elastictk-run")
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupted_while_starting)  # a library caller's stays its own
+
+import logging  # noqa: E402 - after the handler: these imports are the window it covers
+from typing import TYPE_CHECKING, Sequence  # noqa: E402
+
+from .cli import LaunchConfig, parse_or_exit  # noqa: E402
+from .cli.args import PROG  # noqa: E402
 
 log = logging.getLogger("elastictk.run")
 
@@ -260,7 +276,7 @@ def __getattr__(name: str) -> object:
 
 
 def console_main() -> None:
-    code = main(exits=True)
+    code = main(exits=True)  # SIGINT: _interrupted_while_starting until the agent's own handler
     # Exit without interpreter teardown: watch threads may still sit inside a C++ store call
     # (a wait on a store that went away, or on a cut link), and finalizing Python under them
     # aborts the process ("terminate called without an active exception") instead of exiting

@@ -163,3 +163,32 @@ def test_sigterm_in_the_exit_barrier_ends_the_agent_at_once(tmp_path: Path) -> N
 
 def _started(events: Path) -> bool:
     return events.exists() and '"workers_started"' in events.read_text()
+
+
+def test_ctrl_c_before_the_agent_runs_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """Ctrl-C while elastictk-run starts (here: waiting for a store host that never comes, before
+    the agent has taken SIGINT over) was a 30-line KeyboardInterrupt traceback from wherever it
+    landed (an import, the store wait); it is one line, exit 130, and nothing is left running."""
+    script = tmp_path / "w.py"
+    script.write_text("print('trained')\n")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "elastictk.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         "127.0.0.1:1", "--nnodes", "2", "--rdzv-conf", "is_host=false,read_timeout=300", str(script)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as an interactive shell's
+    try:
+        assert agent.stderr is not None
+        first = agent.stderr.readline()  # the event: it is waiting, well inside its start
+        assert "waiting up to 300s for the store at 127.0.0.1:1" in first, first
+        kids = psutil.Process(agent.pid).children(recursive=True)
+        agent.send_signal(signal.SIGINT)
+        out, err = agent.communicate(timeout=120)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 130, (agent.returncode, err[-3000:])
+    assert err.splitlines() == ["elastictk-run: interrupted (Ctrl-C) while starting; the job did not run"], err
+    assert "trained" not in out
+    psutil.wait_procs(kids, timeout=60)
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE], kids

@@ -11,7 +11,7 @@ hands a part to (or takes one from) a server that does not know it. Without a to
 without one) both say ``"none"`` and anyone who reaches the port is believed, as torchrun
 believes its store.
 
-Before the handshake the other side is a stranger, so the server reads it under tight bounds:
+Before the handshake the other side is a stranger, so each side reads it under tight bounds:
 :data:`MAX_HELLO` bytes per header and one deadline for the whole exchange.
 """
 from __future__ import annotations
@@ -54,10 +54,11 @@ def greet(sock: socket.socket, key: Optional[bytes], job: str, deadline: float) 
     send(sock, {"ok": True, "mac": mac(key, "server", job, nonce, theirs)})
 
 
-def introduce(sock: socket.socket, key: Optional[bytes], job: str) -> None:
-    """The client's side; :class:`Refused` if either side lacks the token."""
+def introduce(sock: socket.socket, key: Optional[bytes], job: str, deadline: Optional[float] = None) -> None:
+    """The client's side; :class:`Refused` if either side lacks the token, :class:`~.wire.Late`
+    if the server is not done by ``deadline`` (a server that trickles its hello cannot hold us)."""
     try:
-        hello = messages.hello(recv(sock, MAX_HELLO))
+        hello = messages.hello(recv(sock, MAX_HELLO, deadline))
     except messages.BadMessage as e:
         raise WireError(f"the other side is not an elastictk snapshot peer: {e}") from None
     if hello.hello != CONTEXT.decode():
@@ -70,10 +71,10 @@ def introduce(sock: socket.socket, key: Optional[bytes], job: str) -> None:
     else:
         if key is None:
             send(sock, {"nonce": nonce})
-            recv(sock, MAX_HELLO)
+            recv(sock, MAX_HELLO, deadline)
             raise Refused("the peer requires the job's rendezvous token, this node has none")
         send(sock, {"nonce": nonce, "mac": mac(key, "client", job, hello.nonce, nonce)})
-    raw = recv(sock, MAX_HELLO)
+    raw = recv(sock, MAX_HELLO, deadline)
     answer = messages.answer(raw)
     if not answer.ok:
         raise Refused(f"refused by the peer: {answer.why}")

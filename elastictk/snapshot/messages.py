@@ -8,6 +8,14 @@ and what was wrong, in one line. Integers are ints (never bools, floats, NaN or 
 stated ranges, strings are strings of bounded length, lists are lists of bounded length. A
 negative size can therefore never reach the memory bound's arithmetic, and an ``index`` reply
 that is not a list is a refused message, not a ``TypeError`` in the round's start.
+
+A peer's words reach this agent's log, so no string from it is printed as it came: names
+(origins, addresses, ops) must be printable (no newline, no control or format character) or
+the message is refused, and free text (a refusal's reason) is kept only as :func:`shown`
+makes it: escaped and cut to :data:`SHOWN` characters, so a peer cannot forge a line such as
+``[elastictk-run] succeeded`` in the job's log. A part announces at least one byte: a
+zero-byte part would cost the memory bound nothing while each kept replica still costs a
+mapping (the replica count is bounded too, :mod:`.replicas`).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ MAX_PART = 1 << 44  # 16 TiB: past any --snapshot-memory; the memory bound refus
 MAX_SUM = (1 << 64) - 1  # XXH3-64
 MAX_ORIGIN = 256  # a node id
 MAX_WHY = 1000  # a refusal's reason
+SHOWN = 200  # characters of a peer's free text that reach the log
 MAX_INDEX = 16384  # replicas one index reply may list
 NONCE = re.compile(r"[0-9a-f]{32}")
 MAC = re.compile(r"[0-9a-f]{64}")
@@ -42,15 +51,27 @@ def integer(h: Mapping[str, Any], name: str, low: int, high: int) -> int:
     return v
 
 
-def text(h: Mapping[str, Any], name: str, limit: int, pattern: "re.Pattern[str] | None" = None) -> str:
+def text(h: Mapping[str, Any], name: str, limit: int, pattern: "re.Pattern[str] | None" = None,
+         printable: bool = True) -> str:
+    """A string field; with ``printable`` (the default) one holding a newline, a control or a
+    format character is refused (it would be printed in a log line)."""
     v = h.get(name)
     if not isinstance(v, str):
         raise BadMessage(f"field {name!r} is {_show(v)}, not a string")
     if len(v) > limit:
         raise BadMessage(f"field {name!r} is {len(v)} characters long, more than {limit}")
+    if printable and not v.isprintable():
+        raise BadMessage(f"field {name!r} holds a character that cannot be printed")
     if pattern is not None and not pattern.fullmatch(v):
         raise BadMessage(f"field {name!r} is not {pattern.pattern}")
     return v
+
+
+def shown(v: str, limit: int = SHOWN) -> str:
+    """A peer's free text as it may be printed: quoted, every character that is not printable
+    escaped (newlines, carriage returns, ANSI escapes, bidi overrides), at most ``limit``
+    characters of it."""
+    return repr(v[:limit]) + (f" (+{len(v) - limit} characters)" if len(v) > limit else "")
 
 
 def flag(h: Mapping[str, Any], name: str) -> bool:
@@ -97,9 +118,9 @@ class Answer:
 
 
 def answer(h: Mapping[str, Any]) -> Answer:
-    """``{"ok": bool, "why": str?}``: every reply starts with it."""
+    """``{"ok": bool, "why": str?}``: every reply starts with it; ``why`` as :func:`shown`."""
     ok = flag(h, "ok")
-    why = "no reason given" if h.get("why") is None else text(h, "why", MAX_WHY)
+    why = "no reason given" if h.get("why") is None else shown(text(h, "why", MAX_WHY, printable=False))
     return Answer(ok, why)
 
 
@@ -159,7 +180,8 @@ class Put:
 
 
 def put_request(h: Mapping[str, Any]) -> Put:
-    return Put(key(h), integer(h, "nbytes", 0, MAX_PART), integer(h, "sum", 0, MAX_SUM))
+    """A part to keep: at least one byte (see the module's docstring)."""
+    return Put(key(h), integer(h, "nbytes", 1, MAX_PART), integer(h, "sum", 0, MAX_SUM))
 
 
 def get_request(h: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -11,11 +11,21 @@ join record) and answers three requests over authenticated connections (:mod:`.w
 Every field of every message is checked by :mod:`.messages` before use. Refusals (a stranger,
 a malformed message, a torn part, no room) are logged in one line, at most once a minute per
 cause and peer; the connection is closed, the agent goes on.
+
+A peer that holds the token is still held to limits, per peer (one sender address) and in
+all: authenticated connections (:data:`MAX_PEER_CONNECTIONS` of :data:`MAX_PEERS`), replicas
+and bytes still arriving (:mod:`.replicas`), and time: a put's bytes must arrive by
+:func:`~.wire.payload_deadline` (:data:`PUT_FLOOR` plus the bytes at
+:data:`~.wire.MIN_RATE`), a ``get``'s bytes must be read by the same. The client holds a
+server to the same: connect and handshake, each header and each payload within its
+deadline, so a server that trickles its replies cannot hold an agent's round start.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import os
+import resource
 import socket
 import threading
 import time
@@ -26,15 +36,21 @@ from .codec import checksum
 from .handshake import greet, introduce
 from .ratelog import RateLimitedLog
 from .replicas import Key, NoRoom, Replicas
-from .wire import CHUNK, MAX_HEADER, Late, Refused, WireError, recv, recv_into, send
+from .settings import human
+from .wire import (
+    MAX_HEADER, MIN_RATE, Late, Refused, WireError, payload_deadline, recv, recv_into, send, send_payload,
+)
 
 log = logging.getLogger("elastictk.snapshot")
 TIMEOUT = 60.0  # an authenticated peer silent for this long is gone
 HANDSHAKE_TIMEOUT = 5.0  # the whole handshake, however the bytes trickle in
 MAX_PENDING = 16  # connections still in the handshake; a new one past this closes the oldest
 MAX_PEERS = 64  # authenticated connections; one past this is closed at once
+MAX_PEER_CONNECTIONS = 16  # ... of them from one address (a node needs 1 per ring neighbour + 1)
+PUT_FLOOR = 30.0  # seconds a part's bytes may take on top of their size at wire.MIN_RATE
 MAX_REQUEST = 4096  # a request header is ~150 bytes
 FD_BACKOFF = 0.1  # out of file descriptors: seconds before accepting again
+FD_RESERVE = 128  # descriptors a connection never takes from the agent (a quarter of a lower limit)
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -46,17 +62,22 @@ class PeerServer:
     ``max_pending`` connections are in the handshake at once (a new one closes the oldest, whose
     deadline is nearest, so a flood of idle connections cannot keep an honest peer out for
     longer than its own handshake takes) and at most ``max_peers`` authenticated ones are served
-    (past that a connection is closed at once). Running out of file descriptors pauses accepting
-    for :data:`FD_BACKOFF` seconds, never ends it. Every error a connection raises ends that
+    (past that a connection is closed at once), at most ``max_peer_connections`` of them from one
+    address. No connection is accepted while the agent has :data:`FD_RESERVE` descriptors or
+    fewer left (a quarter of a lower limit): they wait in the listen backlog, as they do when
+    the agent runs out of them anyway; either pauses accepting for :data:`FD_BACKOFF` seconds,
+    never ends it. Every error a connection raises ends that
     connection only and is logged in one line, at most once a minute per cause.
     """
 
     def __init__(self, host: str, replicas: Replicas, key: Optional[bytes], job: str,
                  on_kept: Optional[Callable[[Key, list[Key]], None]] = None, *,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING,
-                 max_peers: int = MAX_PEERS) -> None:
+                 max_peers: int = MAX_PEERS, max_peer_connections: int = MAX_PEER_CONNECTIONS,
+                 put_floor: float = PUT_FLOOR) -> None:
         self.replicas, self.key, self.job, self.on_kept = replicas, key, job, on_kept
         self.handshake_timeout, self.max_pending, self.max_peers = handshake_timeout, max_pending, max_peers
+        self.max_peer_connections, self.put_floor = max_peer_connections, put_floor
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -64,7 +85,7 @@ class PeerServer:
         self._sock.listen(64)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._pending: dict[socket.socket, str] = {}  # in the handshake, oldest first -> address
-        self._peers: set[socket.socket] = set()
+        self._peers: dict[socket.socket, str] = {}  # authenticated -> address
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -83,6 +104,13 @@ class PeerServer:
 
     def _accept(self) -> None:
         while not self._closed:
+            left, reserve = fds_left()
+            if left <= reserve:  # leave them to the agent; connections wait in the listen backlog
+                self._warn("reserve", f"the agent has {left} file descriptors left: not accepting "
+                           f"connections for {FD_BACKOFF:g} s (the peer tier leaves {reserve} to the "
+                           "workers, the stores and /proc); raise the open-file limit (ulimit -n)")
+                self._stop.wait(FD_BACKOFF)
+                continue
             try:
                 conn, addr = self._sock.accept()
             except OSError as e:
@@ -134,12 +162,11 @@ class PeerServer:
             with self._lock:
                 if self._pending.pop(conn, None) is None:  # evicted or closing meanwhile
                     return
-                full = len(self._peers) >= self.max_peers
-                if not full:
-                    self._peers.add(conn)
-            if full:
-                self._warn("full", f"{self.max_peers} authenticated connections open: closed a new one "
-                           f"from {who}")
+                full = self._full(who)
+                if full is None:
+                    self._peers[conn] = who
+            if full is not None:
+                self._warn(f"full {who}", f"{full}: closed a new one from {who}")
                 return
             conn.settimeout(TIMEOUT)
             while True:
@@ -147,8 +174,11 @@ class PeerServer:
         except Refused as e:
             self._warn(f"refused {who}", f"refused a connection from {who}: {e}")
         except Late as e:
-            self._warn("late", f"closed a connection from {who} that did not finish the handshake "
-                       f"within {self.handshake_timeout:g} s ({e})")
+            if conn in self._peers:
+                self._warn(f"late {who}", f"closed a connection from {who}: {e}")
+            else:
+                self._warn("late", f"closed a connection from {who} that did not finish the handshake "
+                           f"within {self.handshake_timeout:g} s ({e})")
         except messages.BadMessage as e:
             self._warn(f"bad {who}", f"refused a message from {who}: {e}")
         except (WireError, OSError) as e:
@@ -159,8 +189,17 @@ class PeerServer:
         finally:
             with self._lock:
                 self._pending.pop(conn, None)
-                self._peers.discard(conn)
+                self._peers.pop(conn, None)
             conn.close()
+
+    def _full(self, who: str) -> Optional[str]:
+        """Why an authenticated connection from ``who`` may not be served now (None: it may).
+        Under the lock."""
+        if len(self._peers) >= self.max_peers:
+            return f"{self.max_peers} authenticated connections open"
+        if sum(1 for w in self._peers.values() if w == who) >= self.max_peer_connections:
+            return f"{self.max_peer_connections} authenticated connections from {who} open (the most one peer may)"
+        return None
 
     def _request(self, conn: socket.socket, req: dict[str, object], who: str) -> None:
         try:
@@ -168,9 +207,11 @@ class PeerServer:
             if op == "put":
                 self._put(conn, messages.put_request(req), who)
             elif op == "index":
-                send(conn, {"ok": True, "replicas": [k.__dict__ for k in self.replicas.index()]})
+                send(conn, {"ok": True, "replicas": [k.__dict__ for k in self.replicas.index()]},
+                     deadline=time.monotonic() + self.put_floor)
             else:
                 self._get(conn, *messages.get_request(req))
+            conn.settimeout(TIMEOUT)  # a deadline above changed it
         except messages.BadMessage as e:
             send(conn, {"ok": False, "why": f"bad request: {e}"})
             raise
@@ -178,15 +219,22 @@ class PeerServer:
     def _put(self, conn: socket.socket, req: messages.Put, who: str) -> None:
         key, nbytes, digest = req.key, req.nbytes, req.digest
         try:
-            rep = self.replicas.reserve(key, digest, nbytes)
+            rep = self.replicas.reserve(key, digest, nbytes, who)
         except (NoRoom, OSError) as e:
             self._warn(f"noroom {key.rank}", str(e))
             send(conn, {"ok": False, "why": str(e)})
             return
         send(conn, {"ok": True})
+        t0 = time.monotonic()
         try:
-            recv_into(conn, rep.data())
+            recv_into(conn, rep.data(), payload_deadline(nbytes, self.put_floor))
             got = checksum(rep.data())
+        except Late as e:
+            self.replicas.discard(rep)
+            allowed = time.monotonic() - t0
+            raise Late(f"a part of {human(nbytes)} did not arrive in time ({e}, {allowed:.1f} s: "
+                       f"{self.put_floor:g} s plus its size at {human(MIN_RATE)}/s); its reservation "
+                       "is freed") from None
         except BaseException:
             self.replicas.discard(rep)
             raise
@@ -209,7 +257,7 @@ class PeerServer:
             return
         try:
             send(conn, {"ok": True, "nbytes": rep.length, "sum": rep.digest, "origin": rep.key.origin},
-                 rep.data())
+                 rep.data(), payload_deadline(rep.length, self.put_floor))
         finally:
             self.replicas.give_back(rep)
 
@@ -233,47 +281,71 @@ class PeerServer:
             t.join(timeout=5)
 
 
+def fds_left() -> tuple[int, int]:
+    """(descriptors this process may still open, how many of them a peer connection must leave):
+    the soft ``RLIMIT_NOFILE`` less those open now; :data:`FD_RESERVE`, or a quarter of a lower
+    limit. The peer tier is the one part of the agent whose descriptors others make it open, so
+    it alone checks: a token holder cannot bring the agent to ``EMFILE``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30, FD_RESERVE
+    reserve = min(FD_RESERVE, soft // 4)
+    try:
+        return soft - len(os.listdir("/proc/self/fd")) + 1, reserve  # + the listing's own
+    except OSError:
+        return 0, reserve
+
+
 class PeerClient:
-    """One authenticated connection to another agent's :class:`PeerServer`."""
+    """One authenticated connection to another agent's :class:`PeerServer`.
+
+    ``timeout`` is a deadline, not a per-call timeout: connect and handshake together, then each
+    request's headers, must be done within it; a payload within it plus its size at
+    :data:`~.wire.MIN_RATE`. A server that trickles its bytes is :class:`~.wire.Late`, never a
+    hang (an agent's round start waits for its peers' ``index`` and ``get``)."""
 
     def __init__(self, host: str, port: int, key: Optional[bytes], job: str, timeout: float = TIMEOUT) -> None:
-        self.where = f"{host}:{port}"
+        self.where, self.timeout = f"{host}:{port}", timeout
+        deadline = time.monotonic() + timeout
         self.sock = socket.create_connection((host, port), timeout=timeout)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            introduce(self.sock, key, job)
+            introduce(self.sock, key, job, deadline)
         except BaseException:
             self.sock.close()
             raise
 
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
     def put(self, origin: str, rank: int, world: int, step: int, digest: int, data: memoryview) -> None:
         """Send one part; :class:`WireError` naming why if the peer did not keep it."""
         send(self.sock, {"op": "put", "origin": origin, "rank": rank, "world": world, "step": step,
-                         "nbytes": len(data), "sum": digest})
-        go = messages.answer(recv(self.sock))
+                         "nbytes": len(data), "sum": digest}, deadline=self._deadline())
+        go = messages.answer(recv(self.sock, deadline=self._deadline()))
         if not go.ok:
             raise WireError(f"{self.where} refused rank {rank}'s step {step}: {go.why}")
-        for start in range(0, len(data), CHUNK):
-            self.sock.sendall(data[start:start + CHUNK])
-        done = messages.answer(recv(self.sock))
+        finish = payload_deadline(len(data), self.timeout)
+        send_payload(self.sock, data, finish)
+        done = messages.answer(recv(self.sock, deadline=finish + self.timeout))  # it checksums first
         if not done.ok:
             raise WireError(f"{self.where} did not keep rank {rank}'s step {step}: {done.why}")
 
     def index(self) -> list[Key]:
-        send(self.sock, {"op": "index"})
-        return messages.index_reply(recv(self.sock, MAX_HEADER))
+        send(self.sock, {"op": "index"}, deadline=self._deadline())
+        return messages.index_reply(recv(self.sock, MAX_HEADER, self._deadline()))
 
     def get(self, rank: int, world: int, step: int, limit: int = messages.MAX_PART) -> tuple[bytearray, int]:
         """The bytes of a replica and their checksum, verified; :class:`WireError` if absent,
         torn, or announced larger than ``limit`` bytes (nothing is allocated for it then)."""
-        send(self.sock, {"op": "get", "rank": rank, "world": world, "step": step})
-        head = recv(self.sock)
+        send(self.sock, {"op": "get", "rank": rank, "world": world, "step": step}, deadline=self._deadline())
+        head = recv(self.sock, deadline=self._deadline())
         answer = messages.answer(head)
         if not answer.ok:
             raise WireError(f"{self.where} has no rank {rank}'s step {step}: {answer.why}")
         part = messages.get_reply(head, limit)
         buf = bytearray(part.nbytes)
-        recv_into(self.sock, memoryview(buf))
+        recv_into(self.sock, memoryview(buf), payload_deadline(part.nbytes, self.timeout))
         digest = part.digest
         got = checksum(buf)
         if got != digest:

@@ -37,7 +37,8 @@ from .wire import WireError
 
 log = logging.getLogger("elastictk.snapshot")
 META_PORT = "snapshot_peer"  # the key of the server's port in the agent's join record
-CONNECT_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 5.0  # connect + handshake; also each index/get exchange at a round's start
+PUT_TIMEOUT = 60.0  # each exchange of a put, its bytes having this plus their size at wire.MIN_RATE
 Endpoint = tuple[str, str, int]  # node id, address, port
 
 
@@ -216,7 +217,7 @@ class PeerTier:
             c = self._clients.get(e)
             if c is None:
                 c = self._clients[e] = PeerClient(e[1], e[2], self.key, self.job, timeout=CONNECT_TIMEOUT)
-                c.sock.settimeout(60.0)
+                c.timeout = PUT_TIMEOUT
             if self.rate and select.select([self._stop_r], [], [], m.length / self.rate)[0]:
                 return False  # closing
             c.put(node_id, m.rank, m.world, m.step, m.digest, region.data(m.index)[:m.length])

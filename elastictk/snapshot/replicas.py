@@ -1,10 +1,16 @@
 """Replicas this agent holds of other nodes' parts: anonymous memory, bounded, the newest kept.
 
-Each replica lives in a ``memfd`` of its own (nothing in ``/dev/shm``; it dies with this agent)
-sized to the part, so a part is received straight into the memory that keeps it. At most
-:data:`KEEP` steps are kept per (rank, world size); the bytes of all replicas together stay
-within ``--snapshot-memory`` (a replica that does not fit is refused in one line by the
-caller). A replica in use by a sender is closed only once the send is done.
+Each replica lives in an anonymous shared mapping of its own, sized to the part (nothing in
+``/dev/shm``, no file descriptor: it dies with this agent), so a part is received straight into
+the memory that keeps it and a thousand replicas cost no descriptor the agent needs for its
+workers, stores and ``/proc``. At most :data:`KEEP` steps are kept per (rank, world size); the
+bytes of all replicas together stay within ``--snapshot-memory``, and the replicas are counted
+too, not only their bytes (at most :data:`MAX_REPLICAS`; a part of zero bytes is refused before
+it gets here). One peer (one sender address) may hold at most :data:`MAX_PEER_REPLICAS` of them
+and have at most half the memory bound reserved for parts still arriving
+(:data:`PEER_INFLIGHT`), so a token holder who reserves parts and trickles their bytes leaves
+room for honest ones. A replica that does not fit is refused in one line by the caller. A
+replica in use by a sender is closed only once the send is done.
 
 What is kept follows the job's membership (:func:`stale`): a replica of another world size is
 no use to anyone (a part restores only the same rank in the same world size) and goes at once;
@@ -15,7 +21,6 @@ of its own.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -23,7 +28,9 @@ from typing import Iterable, Optional
 from .settings import human
 
 KEEP = 1  # the newest whole step per rank: 2 local slots + 1 replica = 3x the state per node
-MEMFD_NAME = "elastictk-replica"
+MAX_REPLICAS = 1024  # replicas held or arriving, from all peers together
+MAX_PEER_REPLICAS = 256  # ... from one peer (a node ships its local ranks x KEEP: 8 x 1 typically)
+PEER_INFLIGHT = 0.5  # of the memory bound, the most one peer may have reserved for arriving parts
 
 
 class NoRoom(RuntimeError):
@@ -58,8 +65,9 @@ class Replica:
     key: Key
     digest: int
     length: int
-    _fd: int
     _mm: Optional[mmap.mmap]
+    peer: str = ""  # the address it came from: per-peer limits count it there
+    frees: frozenset[Key] = frozenset()  # held replicas it drops when kept, credited to it alone
     users: int = 0
     dropped: bool = False
     kept: bool = field(default=False)
@@ -75,14 +83,12 @@ class Replica:
             except BufferError:  # a view still exported: the mapping goes with the last one
                 pass
             self._mm = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class Replicas:
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, max_replicas: int = MAX_REPLICAS,
+                 max_peer_replicas: int = MAX_PEER_REPLICAS) -> None:
+        self.budget, self.max_replicas, self.max_peer_replicas = budget, max_replicas, max_peer_replicas
         self._lock = threading.Lock()
         self._held: dict[Key, Replica] = {}
         self._pending: set[Replica] = set()
@@ -90,27 +96,50 @@ class Replicas:
     def used(self) -> int:
         return sum(r.length for r in self._held.values()) + sum(r.length for r in self._pending)
 
-    def reserve(self, key: Key, digest: int, length: int) -> Replica:
-        """Memory for a replica about to be received; :class:`NoRoom` if it cannot fit even
-        after the replicas keeping it would drop."""
+    def count(self) -> int:
+        """Replicas held or arriving."""
+        with self._lock:
+            return len(self._held) + len(self._pending)
+
+    def reserve(self, key: Key, digest: int, length: int, peer: str = "") -> Replica:
+        """Memory for a replica about to be received from ``peer`` (its address);
+        :class:`NoRoom` if it cannot fit even after the replicas keeping it would drop, or if it
+        would pass a count or per-peer limit (the message names which, and the values)."""
         if length < 0:  # messages.put_request refuses it; the budget arithmetic must never see one
             raise ValueError(f"a replica of {length} bytes")
         with self._lock:
-            freed = sum(self._held[k].length for k in superseded(self._held, key))
-            if self.used() - freed + length > self.budget:
-                raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) does "
-                             f"not fit: {human(self.used() - freed)} of {human(self.budget)} "
-                             "(--snapshot-memory) held; raise --snapshot-memory")
-            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, max(length, 1))
-                mm = mmap.mmap(fd, max(length, 1))
-            except OSError:
-                os.close(fd)
-                raise
-            rep = Replica(key, digest, length, fd, mm)
+            frees = self._check_limits(key, length, peer)
+            mm = mmap.mmap(-1, max(length, 1))  # MAP_SHARED|MAP_ANONYMOUS: shmem, no descriptor
+            rep = Replica(key, digest, length, mm, peer, frees)
             self._pending.add(rep)
             return rep
+
+    def _check_limits(self, key: Key, length: int, peer: str) -> frozenset[Key]:
+        """The held replicas a reservation for ``key`` may count as freed (none already counted
+        by another one arriving: two puts of one rank cannot both spend the same bytes), or
+        :class:`NoRoom`. Counts are strict: a replica about to be superseded still counts until
+        it is dropped (it still holds its mapping)."""
+        credited = {k for r in self._pending for k in r.frees}
+        gone = frozenset(superseded(self._held, key) - credited)
+        freed = sum(self._held[k].length for k in gone)
+        if self.used() - freed + length > self.budget:
+            raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) does "
+                         f"not fit: {human(self.used() - freed)} of {human(self.budget)} "
+                         "(--snapshot-memory) held; raise --snapshot-memory")
+        if len(self._held) + len(self._pending) >= self.max_replicas:
+            raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} refused: {self.max_replicas} "
+                         "replicas held or arriving already (the most this agent keeps)")
+        mine = [r for r in self._held.values() if r.peer == peer]
+        arriving = [r for r in self._pending if r.peer == peer]
+        if len(mine) + len(arriving) >= self.max_peer_replicas:
+            raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} refused: {peer or 'this peer'} "
+                         f"holds {self.max_peer_replicas} replicas here already (the most one peer may)")
+        inflight = sum(r.length for r in arriving)
+        if inflight + length > self.budget * PEER_INFLIGHT:
+            raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) refused: "
+                         f"{peer or 'this peer'} has {human(inflight)} arriving already, and one peer may "
+                         f"have at most half of --snapshot-memory ({human(self.budget)}) arriving")
+        return gone
 
     def keep(self, rep: Replica) -> list[Key]:
         """Make a received, verified replica available; the keys it dropped."""

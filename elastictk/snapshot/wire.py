@@ -8,6 +8,12 @@ byte: a peer that trickles one byte a second is still dropped on time), and a st
 (no NaN or Infinity, no nesting deep enough to exhaust the parser, valid UTF-8, an object at
 the top). Anything else is a :class:`WireError` in one line, never another exception. What the
 fields mean and which values are valid is :mod:`.messages`' job.
+
+Every exchange has an overall deadline on both sides, never only a per-call timeout: a peer
+that sends (or reads) one byte a second resets a socket timeout forever, and would hold a
+reservation of the memory bound, a connection slot or a round's start as long as it liked. A
+payload's deadline grows with its size (:func:`payload_deadline`: a floor, plus the bytes at
+:data:`MIN_RATE`), so an honest transfer of any size on a slow link still fits.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from typing import Any, Optional
 LENGTH = struct.Struct(">I")
 MAX_HEADER = 1 << 20  # the longest header read after the handshake (an index reply of many replicas)
 CHUNK = 1 << 22  # bytes per recv_into/sendall call on large payloads
+MIN_RATE = 16 << 20  # bytes/s: a payload slower than this (on top of its floor) is cut off
 
 
 class WireError(ConnectionError):
@@ -34,12 +41,49 @@ class Late(WireError):
     """The other side did not send what it had to before the deadline."""
 
 
-def send(sock: socket.socket, header: dict[str, Any], payload: Optional[memoryview] = None) -> None:
+def payload_deadline(nbytes: int, floor: float) -> float:
+    """When a payload of ``nbytes`` started now must be done (``time.monotonic()``): ``floor``
+    seconds, plus the bytes at :data:`MIN_RATE`."""
+    return time.monotonic() + floor + nbytes / MIN_RATE
+
+
+def _left(sock: socket.socket, deadline: Optional[float], what: str) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Late(what)
+        sock.settimeout(left)
+
+
+def send(sock: socket.socket, header: dict[str, Any], payload: Optional[memoryview] = None,
+         deadline: Optional[float] = None) -> None:
+    """One frame, whole before ``deadline`` if one is given (:class:`Late` otherwise: the other
+    side reads too slowly). With a deadline the socket's timeout is changed; the caller sets it
+    again for what follows."""
     body = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
-    sock.sendall(LENGTH.pack(len(body)) + body)
+    try:
+        _left(sock, deadline, "the other side read nothing before the deadline")
+        sock.sendall(LENGTH.pack(len(body)) + body)
+    except TimeoutError:
+        if deadline is None:
+            raise
+        raise Late("the other side read no header before the deadline") from None
     if payload is not None:
-        for start in range(0, len(payload), CHUNK):
-            sock.sendall(payload[start:start + CHUNK])
+        send_payload(sock, payload, deadline)
+
+
+def send_payload(sock: socket.socket, payload: memoryview, deadline: Optional[float] = None) -> None:
+    """Raw bytes after a header, whole before ``deadline`` if one is given (:class:`Late`)."""
+    sent = 0
+    try:
+        for sent in range(0, len(payload), CHUNK):
+            _left(sock, deadline, f"the other side read {sent} of {len(payload)} bytes before the deadline")
+            sock.sendall(payload[sent:sent + CHUNK])  # its timeout bounds the whole call
+    except TimeoutError:
+        if deadline is None:
+            raise
+        raise Late(f"the other side read at most {min(sent + CHUNK, len(payload))} of {len(payload)} bytes "
+                   "before the deadline") from None
 
 
 def recv_into(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:

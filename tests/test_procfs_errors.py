@@ -98,3 +98,32 @@ def test_the_session_sweep_keeps_a_live_worker_while_proc_reads_fail_with_emfile
     finally:
         sessions.end_attempt()
         sessions.close()
+
+
+def test_listing_proc_out_of_fds_is_unreadable_and_a_tree_is_empty_with_one_line(
+        worker: subprocess.Popen[bytes], capfd: pytest.CaptureFixture[str]) -> None:
+    """``os.listdir("/proc")`` under EMFILE once crashed the agent in ``WorkerGroup.close()``
+    (issue 36): now the listing is :class:`ProcUnreadable`, a tree is empty (nothing pinned on a
+    guess) and one line says so, however often it happens; the worker is still stopped."""
+    from elastictk.lifetime import reaper
+
+    sessions = WorkerSessions(death_watch=False)
+    sessions.add(worker.pid)
+    reaper._said_at.clear()
+    filler, old = _exhaust_fds()
+    try:
+        with pytest.raises(procfs.ProcUnreadable, match="/proc cannot be listed now"):
+            procfs.pids()
+        trees = [reaper.Tree() for _ in range(3)]
+        sessions.pin(worker.pid)
+        found = reaper.signal_trees(sessions.all(), signal.SIGTERM)
+    finally:
+        _release(filler, old)
+    try:
+        assert all(t.stats == {} for t in trees) and found == []
+        assert worker.wait(timeout=10) == -signal.SIGTERM, "the worker was not stopped"
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if "/proc cannot be listed" in ln]
+        assert len(lines) == 1 and "ulimit -n" in lines[0], lines
+    finally:
+        sessions.end_attempt()
+        sessions.close()

@@ -96,8 +96,14 @@ def is_frozen(pid: int) -> bool:
 
 
 def pids() -> list[int]:
-    """Every PID on this machine now (a snapshot; any of them may exit at once)."""
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    """Every PID on this machine now (a snapshot; any of them may exit at once);
+    :class:`ProcUnreadable` when ``/proc`` cannot be listed now (out of file descriptors: the
+    caller decides what to do without the list, never as if no process were running)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError as e:
+        raise ProcUnreadable(e.errno, f"/proc cannot be listed now: {e.strerror}") from None
+    return [int(name) for name in names if name.isdigit()]
 
 
 def live_members(ids: set[int], exclude: int) -> list[int]:
@@ -225,7 +231,10 @@ def own_children() -> list[int]:
             with open(f"/proc/{me}/task/{tid}/children", "rb") as f:
                 out.extend(int(p) for p in f.read().split())
         except FileNotFoundError:  # CONFIG_PROC_CHILDREN is off: scan instead
-            return [pid for pid, st in snapshot().items() if st.ppid == me]
+            try:
+                return [pid for pid, st in snapshot().items() if st.ppid == me]
+            except ProcUnreadable:
+                return out  # none found now: the next sweep looks again
         except (OSError, ValueError):
             continue
     return out

@@ -32,6 +32,7 @@ import errno
 import functools
 import os
 import signal
+import sys
 import time
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -148,13 +149,40 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 class Tree:
-    """One ``/proc`` snapshot: every process's stat, and each PID's children."""
+    """One ``/proc`` snapshot: every process's stat, and each PID's children.
+
+    When ``/proc`` cannot be listed (the agent out of file descriptors) the tree is empty and
+    one line says so (at most once a minute): nothing new is pinned, so nothing is signalled on
+    a guess, while what was pinned before (by pidfd) and the workers' own groups are still
+    reached. An agent out of descriptors goes on and reports its workers' outcome; it never
+    dies of a ``/proc`` listing.
+    """
 
     def __init__(self, stats: Optional[Mapping[int, ProcStat]] = None) -> None:
-        self.stats = dict(snapshot() if stats is None else stats)
+        if stats is None:
+            try:
+                stats = snapshot()
+            except ProcUnreadable as e:
+                _unlisted(e)
+                stats = {}
+        self.stats = dict(stats)
         self.kids: dict[int, list[int]] = {}
         for pid, st in self.stats.items():
             self.kids.setdefault(st.ppid, []).append(pid)
+
+
+_SAID_EVERY = 60.0
+_said_at: list[float] = []  # when the last "cannot list /proc" line was printed
+
+
+def _unlisted(e: OSError) -> None:
+    now = time.monotonic()
+    if _said_at and now - _said_at[0] < _SAID_EVERY:
+        return
+    _said_at[:] = [now]
+    print(f"elastictk: {e.strerror}; processes the workers started since the last look are not "
+          "tracked until it can be (the workers themselves still are); raise the open-file limit "
+          "(ulimit -n)", file=sys.stderr, flush=True)
 
 
 def _running(st: ProcStat) -> bool:

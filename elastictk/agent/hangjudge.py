@@ -76,8 +76,13 @@ def judge(now: float, views: Sequence[RankView], pace: Pace) -> tuple[Optional[V
         return Verdict("hung", _lrs(idle), f"no progress past its learned deadline while rank(s) "
                        f"{who} wait in a collective it has not entered", worst), RECHECK
     if len(due) == len(live):
-        why = ("all waiting in collectives (on a rank of another node?)" if len(waiting) == len(live)
-               else "all stalled together outside a collective")
+        if len(waiting) == len(live):
+            why = "all waiting in collectives (on a rank of another node?)"
+        elif waiting:
+            why = (f"rank(s) {', '.join(str(v.rank) for v in waiting)} wait in a collective while "
+                   "the others still compute")
+        else:
+            why = "all stalled together outside a collective"
         return Verdict("stalled", _lrs(live), why, worst), RECHECK
     return None, RECHECK
 

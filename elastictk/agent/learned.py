@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from ..lifetime.procfs import cpu_seconds, read_stat
-from ..metrics.layout import GAP_BOUNDS, GAPS, STEP_BUCKETS, SlotSnapshot
+from ..metrics.layout import GAP_BOUNDS, STEP_BUCKETS, SlotSnapshot
 from .hangjudge import RankView, Verdict, judge
-from .pace import Pace
+from .pace import WINDOW, Pace
 
 BUSY_CPU = 0.3  # cores a rank used since the look before that make it "computing"
 
@@ -26,6 +26,17 @@ def _bound(bounds: tuple[float, ...], i: int) -> float:
     """A histogram bucket's upper bound (twice the last finite one for +Inf): the interval
     learned for every count in it, which errs long, never short."""
     return bounds[i] if i < len(bounds) else 2 * bounds[-1]
+
+
+def _samples(bounds: tuple[float, ...], new: tuple[int, ...], old: tuple[int, ...]) -> list[float]:
+    """The intervals a histogram gained since ``old``, each as its bucket's bound; more than
+    a window's worth are thinned in proportion per bucket, rounding up, so a rare long interval
+    is never thinned away (the deadline errs long)."""
+    counts = [max(0, int(a) - int(b)) for a, b in zip(new, old)]
+    total = sum(counts)
+    if total > WINDOW:
+        counts = [math.ceil(c * WINDOW / total) for c in counts]
+    return [_bound(bounds, i) for i, c in enumerate(counts) for _ in range(c)]
 
 
 @dataclass(frozen=True)
@@ -74,12 +85,10 @@ class Learned:
             self._prev[s.local_rank] = s
             if old is None:
                 old = SlotSnapshot(s.local_rank)
-            gaps = [_bound(GAP_BOUNDS, i) for i in range(GAPS)
-                    for _ in range(max(0, min(s.gaps[i] - old.gaps[i], 4096)))]
+            gaps = _samples(GAP_BOUNDS, s.gaps, old.gaps)
             if gaps:
                 self.pace.add("progress", gaps)
-            steps = [_bound(STEP_BUCKETS, i) for i in range(len(s.buckets))
-                     for _ in range(max(0, min(s.buckets[i] - old.buckets[i], 4096)))]
+            steps = _samples(STEP_BUCKETS, s.buckets, old.buckets)
             if steps:
                 self.pace.add("step", steps)
             if s.sections_done > old.sections_done and s.section_last:

@@ -27,9 +27,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from .._paths import Unsafe, check_own_file, write_file
+from ..agent.pace import FLOOR
 from ..faults import FaultPlan, PlanError, generate_plan
 from ..faults.kinds import HANGS
 from ..faults.plan import read_json
@@ -126,6 +127,18 @@ def build_plan(ns: argparse.Namespace, world: int, watchdog: Optional[float], no
                              rejoin_s=ns.rejoin if nodes > 1 and "seconds" in when else None, **when)
     except PlanError as e:
         raise Usage(in_flag_terms(str(e), ns)) from None
+
+
+def hang_watchdog(config: Any) -> Optional[float]:
+    """The seconds after which the job catches a hang (the plan's ``watchdog_s``): the collective
+    timeout if set, else under ``--hang-detection learned`` (the default) the learned deadlines'
+    floor, the earliest a frozen rank is named (a ``slow:<s>`` step stays below it, so it is
+    never taken for a hang); None when nothing would catch one."""
+    if config.collective_timeout is not None:
+        return config.collective_timeout
+    if config.hang_detection == "learned":
+        return min(FLOOR, config.progress_timeout or FLOOR)
+    return None
 
 
 def with_progress_watchdog(plan: FaultPlan, launcher: list[str],
@@ -295,7 +308,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             raise Usage(f"--rdzv-backend {config.rdzv_backend}: with --nodes use one of {', '.join(BACKENDS)}")
         world = int(config.nproc_per_node) * ns.nodes
         if replay is None:
-            plan = build_plan(ns, world, config.collective_timeout, ns.nodes, config.rdzv_backend)
+            plan = build_plan(ns, world, hang_watchdog(config), ns.nodes, config.rdzv_backend)
         check_supported(plan, world, ns.nodes)
         launcher = with_progress_watchdog(plan, launcher, config.collective_timeout)
         out = report_dir(ns.report_dir)  # last: bad input above leaves no directory behind

@@ -404,7 +404,7 @@ def _hangs_caught(rows: list[FaultRow], rec: RunRecord, several_nodes: bool) -> 
     """Every fired ``hang`` was caught by a watchdog (a collective timer or the progress
     watchdog) that named the frozen rank as the culprit. On several nodes each agent judges
     its own ranks, so another node may blame its waiting rank first; there a catch counts."""
-    bad = []
+    bad, times = [], []
     for r in rows:
         if not (r.fired and r.kind == "hang" and r.injected_at is not None):
             continue
@@ -414,6 +414,12 @@ def _hangs_caught(rows: list[FaultRow], rec: RunRecord, several_nodes: bool) -> 
         if not caught:
             bad.append(f"#{r.index} hang of {r.target} never caught by a watchdog")
             continue
+        # how long the catch took beside the deadline it was judged against (the learned one
+        # under --hang-detection learned, else the timer's or --progress-timeout)
+        deadline = caught[0].fields.get("timeout_s")
+        times.append(f"#{r.index} in {caught[0].mono - at:.1f}s" + (
+            f" ({caught[0].fields.get('trigger')} deadline {float(deadline):.1f}s)"
+            if isinstance(deadline, (int, float)) and deadline > 0 else ""))
         # Every catch of this incident counts, up to the workers running again: a frozen rank
         # blocks its peers inside the same collective, so their timers expire together and the
         # waiting rank's may be logged first.
@@ -422,7 +428,8 @@ def _hangs_caught(rows: list[FaultRow], rec: RunRecord, several_nodes: bool) -> 
         if not several_nodes and not any(_names(e, rank) for e in incident):
             bad.append(f"#{r.index} hang of {r.target}: the watchdog blamed "
                        f"{caught[0].fields.get('culprits', caught[0].fields.get('rank'))}")
-    return Check("every hang caught, its rank named", not bad, "; ".join(bad) or "all caught")
+    return Check("every hang caught, its rank named", not bad,
+                 "; ".join(bad) or "all caught: " + ", ".join(times))
 
 
 def straggler_settings(argv: list[str]) -> Optional[tuple[float, int]]:

@@ -44,7 +44,7 @@ def enable() -> None:
     """Turn the marks on in this process (the agent asked for them)."""
     global _enabled
     _enabled = True
-    set_sink(mark)
+    set_sink(mark, _outside)
 
 
 def bind(slot: Any) -> None:
@@ -78,6 +78,12 @@ def collective_entered() -> None:
     s = _slot()
     if s is not None:
         s.d[s.b + COLL_SINCE] = time.monotonic()
+
+
+def _outside() -> None:
+    s = _slot()
+    if s is not None:
+        s.d[s.b + COLL_SINCE] = 0.0
 
 
 def collective_left() -> None:

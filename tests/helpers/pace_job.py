@@ -10,7 +10,9 @@ time of its first step), ``a<attempt>.r<rank>.eval`` (the eval's start and end) 
 - ``freeze``: rank 1 writes ``fault`` (its PID and the monotonic time) and SIGSTOPs itself;
 - ``skip``: rank 1 writes ``fault`` and sleeps instead of the next ``all_reduce`` that rank 0
   makes (a collective its peer never joins);
-- ``skip-ddp``: the same with rank 0 in its next DDP backward (the C++ all-reduce).
+- ``skip-ddp``: the same with rank 0 in its next DDP backward (the C++ all-reduce);
+- ``stall``: both ranks write ``fault.r<rank>`` and sleep 12 s outside any collective (a phase
+  without progress that is no hang: reported, not killed).
 """
 import os
 import signal
@@ -35,6 +37,10 @@ metric = torch.zeros(1)
 
 def fault_here(i: int) -> bool:
     if attempt != 0 or i != at or not mode:
+        return False
+    if mode == "stall":
+        (out / f"fault.r{rank}").write_text(f"{os.getpid()} {time.monotonic()}")
+        time.sleep(12)
         return False
     if rank == 1:
         (out / "fault").write_text(f"{os.getpid()} {time.monotonic()}")

@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--record", help="append one JSON line per group formation to this file")
     p.add_argument("--trace", help="append one JSON line per step and rank (the global sample "
                    "indices it trained on) and, from rank 0, the final weights")
+    p.add_argument("--until-world", metavar="W:K",
+                   help="end K steps after the world first reaches W ranks (or at --steps): a job "
+                        "as long as a joining node needs, on any host, not a guess of its start-up")
     p.add_argument("--ckpt-dir", help="ignored (accepted so train.py's command lines work)")
     p.add_argument("--ckpt-every", type=int, help="ignored")
     args = p.parse_args()
@@ -70,7 +73,12 @@ def main() -> None:
         parts = spec.split(":")
         crashes[(int(parts[0]), int(parts[1]))] = parts[2] if len(parts) > 2 else "SIGKILL"
 
+    want_world, _, more = (args.until_world or "0:0").partition(":")
+    grown_at: list[int] = []  # the step at which the world first had want_world ranks
+
     def on_join(state: State, ctx: Context) -> None:
+        if args.until_world and not grown_at and ctx.world_size >= int(want_world):
+            grown_at.append(int(state.step))  # every rank of this generation joins at this step
         if ctx.generation > 0:
             # The line train.py prints after loading its checkpoint; here the state came from
             # memory (rolled back) or from a peer (a replacement).
@@ -119,9 +127,12 @@ def main() -> None:
             else:
                 print(f"[rank {os.environ.get('RANK')}] injected SIGKILL at start", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-    ctx = run_elastic(state, train_step, steps=args.steps, on_join=on_join)
+    def done(s: State) -> bool:
+        return int(s.step) >= args.steps or bool(grown_at and int(s.step) >= grown_at[0] + int(more))
+
+    ctx = run_elastic(state, train_step, done=done, on_join=on_join)
     if ctx.rank == 0:
-        print(f"final checksum {checksum(model)} after {args.steps} steps", flush=True)
+        print(f"final checksum {checksum(model)} after {int(state.step)} steps", flush=True)
         if args.trace:
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             with open(args.trace, "a") as f:

@@ -45,7 +45,9 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, str]:
     """``change``: "leave" (3 hosts, host 2's agent SIGKILLed at step 3) or "join" (2 hosts,
-    host 2's agent started at step 3). The data lines, the verdict and the agents' logs."""
+    host 2's agent started at step 3, where the two wait for it: its start-up takes a minute
+    on a loaded host, longer than the rest of the job). The data lines, the verdict and the
+    agents' logs."""
     why = netns_works()
     if why is not None:
         pytest.fail(f"test hosts need working network namespaces: {why}")
@@ -61,6 +63,8 @@ def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, s
                     "--snapshot", "disk", "--snapshot-dir", str(tmp / "ckpt"), "--snapshot-every", "1",
                     str(SCRIPT), "--record", str(record), "--out", str(tmp / "w.pt"), "--samples",
                     str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS), "--step-time", "0.3"]
+            if change == "join":  # the two train no further than step 3 until the third is in
+                argv += ["--hold-at", "3:3"]
             p = hosts[i].popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             agents.append(p)
             return p

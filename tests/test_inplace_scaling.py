@@ -193,19 +193,22 @@ def test_a_joining_node_grows_the_world_in_place(tmp_path: Path) -> None:
     """Two agents train; a third joins: the two keep their processes and, at a commit point,
     re-form at world size 3 with the newcomer, which gets the state from them. The two train
     on while the newcomer's agent starts its workers."""
-    steps = 80  # long enough that the newcomer's start (seconds on a loaded host) fits in
-    job = Job(tmp_path, "2:3", steps)
+    # The job ends 10 steps after the world reaches 3, not after a step count guessed to outlast
+    # the newcomer's start-up (seconds idle, a minute on a loaded host: the world stayed 2);
+    # 3000 steps (5 minutes at 0.1 s) only bound a join that never comes.
+    job = Job(tmp_path, "2:3", 3000)
     try:
-        job.start()
-        job.start()
+        job.start("--until-world", "3:10")
+        job.start("--until-world", "3:10")
         job.wait_step(6)
-        job.start()
-        outs = job.finish()
+        job.start("--until-world", "3:10")
+        outs = job.finish(timeout=600)
     finally:
         job.close()
     assert [a.returncode for a in job.agents] == [0, 0, 0], [o[-3000:] for o in outs]
+    steps = 1 + max(t["step"] for t in job.trained() if "step" in t)
     worlds = check_samples(job.trained(), steps)
-    assert worlds[0] == 2 and worlds[steps - 1] == 3, worlds
+    assert worlds[0] == 2 and worlds[steps - 1] == 3 and steps < 3000, worlds
     assert close_to(final_weights(job.trained()), fault_free(tmp_path, steps))
     for i in (0, 1):
         kinds = [e["kind"] for e in job.kinds(i)]

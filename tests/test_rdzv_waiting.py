@@ -13,7 +13,8 @@ from elastictk.rendezvous.waiting import EVERY, FAST_FOR, FIRST_AFTER, LATER, Wa
 from elastictk.store import free_port
 
 LINE = re.compile(r"\[elastictk-run\] waiting for nodes: 1 of min 2 joined \(round 1\), 1 more needed; "
-                  r"(\d+) s left of --rdzv-conf join_timeout$")
+                  r"(\d+) s left of --rdzv-conf join_timeout; no other node has joined rdzv-id "
+                  r"'waiting' yet: every node needs the same --rdzv-id and --rdzv-endpoint$")
 
 
 def test_the_line_says_who_is_in_and_what_is_missing() -> None:
@@ -24,6 +25,11 @@ def test_the_line_says_who_is_in_and_what_is_missing() -> None:
         "waiting for nodes: 3 joined, min 2 met (round 2); it closes when max 4 have joined, or "
         "--rdzv-conf last_call_timeout (30 s) after the min was met")
     assert "0 s left" in waiting_line(1, 0, 1, 1, -3, 30)
+    # alone under its --rdzv-id: a node given another id waits under its own, unseen here
+    alone = waiting_line(1, 1, 2, 2, 20, 30, "job-7")
+    assert alone.endswith("; no other node has joined rdzv-id 'job-7' yet: every node needs the "
+                          "same --rdzv-id and --rdzv-endpoint"), alone
+    assert "rdzv-id" not in waiting_line(1, 2, 3, 3, 20, 30, "job-7")
 
 
 def test_the_lines_are_throttled() -> None:

@@ -206,6 +206,18 @@ def test_last_call_window() -> None:
     assert isinstance(decide(RoundView(1, four, None, frozenset(), 10.0, 0.0), cfg), Close)
 
 
+def test_a_node_alone_at_the_join_timeout_names_its_rdzv_id() -> None:
+    """A node given another --rdzv-id waits under an id of its own and cannot be seen: the
+    lone node's timeout says which id nobody else joined (with two in, the count as before)."""
+    cfg = RendezvousConfig("job-7", 3, 3, last_call=1.0, join_timeout=50, heartbeat_interval=1,
+                           heartbeat_timeout=3)
+    alone = decide(RoundView(1, (Arrival(1, "a"),), None, frozenset(), 60.0, 0.0), cfg)
+    assert isinstance(alone, Fail) and "no other node joined rdzv-id 'job-7'" in alone.reason
+    assert "same --rdzv-id and --rdzv-endpoint" in alone.reason and "join timeout" in alone.reason
+    two = decide(RoundView(1, (Arrival(1, "a"), Arrival(2, "b")), None, frozenset(), 60.0, 0.0), cfg)
+    assert isinstance(two, Fail) and "only 2 of at least 3" in two.reason and "rdzv-id" not in two.reason
+
+
 def test_live_previous_members_are_waited_for_then_dropped() -> None:
     cfg = RendezvousConfig("j", 1, 2, last_call=1.0, join_timeout=100, heartbeat_interval=1, heartbeat_timeout=3)
     prev = RoundResult(1, (Member("a", 0), Member("b", 1)))

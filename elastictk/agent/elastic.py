@@ -45,6 +45,7 @@ from .config import AgentConfig
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
 from .preempt import preempt
 from .recovery import RecoveryWatch
+from .shared_flags import mismatch, shared_flags
 from .stragglers import StragglerWatch, watch_round
 from .watchdog import Watchdog
 
@@ -127,7 +128,8 @@ class ElasticAgent:
         if self._peer is not None and cfg.metrics_registry is not None:  # the replicas' lag, per rank
             cfg.metrics_registry.register(self._peer.collector())
         meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role,
-                **(self._peer.meta() if self._peer is not None else {})}
+                **(self._peer.meta() if self._peer is not None else {}),
+                **shared_flags(cfg.rdzv.min_nodes, cfg.rdzv.max_nodes, cfg.max_restarts)}
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
         self.node_id = self.handler.node_id
         self.handler.on_spare = lambda n, world: self._emit(EventKind.SPARE_WAITING, round=n, world=world)
@@ -266,7 +268,12 @@ class ElasticAgent:
         assert self.handler is not None and self.group is not None
         self._emit(EventKind.RENDEZVOUS_STARTED, node_id=self.handler.node_id)
         try:
-            return self.handler.next_round()
+            info = self.handler.next_round()
+            differs = None if info.rank == 0 else mismatch(self.handler.meta, info.master)
+            if differs is None:
+                return info
+            self.handler.shutdown(differs)  # the others end with the same line, not a hang
+            return AgentResult(ResultState.FAILED, 2, differs, attempts=self.attempts)
         except RendezvousInterrupted:  # SIGTERM/SIGINT/SIGHUP while waiting for the others
             return self._signalled()
         except RendezvousClosed as e:

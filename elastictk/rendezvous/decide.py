@@ -174,6 +174,13 @@ def decide(view: RoundView, cfg: RendezvousConfig) -> Decision:
     join_deadline = view.opened_at + cfg.join_timeout
     if len(live) < cfg.min_nodes:
         if view.now >= join_deadline:
+            if len(live) <= 1:  # another --rdzv-id (or endpoint) is a job of its own, unseen here
+                return Fail(
+                    f"round {view.round}: no other node joined rdzv-id {cfg.job_id!r} within the "
+                    f"join timeout of {cfg.join_timeout:g}s (at least {cfg.min_nodes} needed); give "
+                    "every node the same --rdzv-id and --rdzv-endpoint, start the others, or lower "
+                    "--nnodes MIN"
+                )
             return Fail(
                 f"round {view.round}: only {len(live)} of at least {cfg.min_nodes} node(s) joined "
                 f"within the join timeout of {cfg.join_timeout:g}s; start more nodes or lower "

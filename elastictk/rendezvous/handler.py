@@ -346,7 +346,8 @@ class RendezvousHandler:
         read of it is), logged at INFO."""
         cfg = self.config
         joined = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
-        log.info("%s", waiting_line(n, joined, cfg.min_nodes, cfg.max_nodes, left, cfg.last_call))
+        log.info("%s", waiting_line(n, joined, cfg.min_nodes, cfg.max_nodes, left, cfg.last_call,
+                                    cfg.job_id))
 
     def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival | None], now: float) -> bool:
         """Whether an earlier arrival than us is alive to close the round.

@@ -18,14 +18,17 @@ FAST_FOR = 60.0  # how long the short interval lasts
 
 
 def waiting_line(round_no: int, joined: int, min_nodes: int, max_nodes: int, left: float,
-                 last_call: float) -> str:
+                 last_call: float, job_id: str | None = None) -> str:
     """One line for a node waiting on round ``round_no`` with ``joined`` arrivals so far and
-    ``left`` seconds to its join timeout; pure."""
+    ``left`` seconds to its join timeout; pure. Alone under ``job_id``, it says so: a node
+    given another ``--rdzv-id`` waits under its own id and cannot be seen from here."""
     left_s = f"{max(left, 0.0):.0f} s left of --rdzv-conf join_timeout"
     if joined < min_nodes:
         more = min_nodes - joined
+        alone = (f"; no other node has joined rdzv-id {job_id!r} yet: every node needs the same "
+                 "--rdzv-id and --rdzv-endpoint" if joined <= 1 and job_id is not None else "")
         return (f"waiting for nodes: {joined} of min {min_nodes} joined (round {round_no}), "
-                f"{more} more needed; {left_s}")
+                f"{more} more needed; {left_s}{alone}")
     return (f"waiting for nodes: {joined} joined, min {min_nodes} met (round {round_no}); it "
             f"closes when max {max_nodes} have joined, or --rdzv-conf last_call_timeout "
             f"({last_call:g} s) after the min was met")

@@ -52,8 +52,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", type=int, default=-1)
     p.add_argument("--step-time", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument("--hold-at", metavar="STEP:WORLD", default="0:0",
+                   help="after committing STEP in a world smaller than WORLD, train no further: wait "
+                        "for the agents to re-form the group with a joining node (an event, where a "
+                        "job length would be a guess of the node's start-up on a loaded host)")
     a = p.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    hold_step, hold_world = (int(x) for x in a.hold_at.split(":"))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + restart)
@@ -88,6 +93,8 @@ def main() -> None:
                 state.commit()
                 if a.step_time:
                     time.sleep(a.step_time)
+                while state.step >= hold_step and world < hold_world:
+                    time.sleep(0.1)  # until the agent stops this worker to re-form the group
             if a.sampler == "distributed":
                 state.epoch = epoch + 1  # a checkpoint per epoch: the next epoch starts there
     if rank == 0:

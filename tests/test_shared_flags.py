@@ -1,0 +1,74 @@
+"""--nnodes and --max-restarts must be the same on every node of a job: a node that is not rank
+0 compares its own with rank 0's join record when a round closes, and a difference ends the
+job with one line naming both values (it was silently each node's own)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastictk.agent.shared_flags import mismatch, shared_flags
+from elastictk.store import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_values_each_node_carries_and_the_line() -> None:
+    mine = {**shared_flags(2, 2, 3), "host": "b"}
+    assert mine == {"nnodes": "2", "max_restarts": 3, "host": "b"}
+    assert shared_flags(2, 4, 0)["nnodes"] == "2:4"
+    assert mismatch(mine, {**shared_flags(2, 2, 3), "host": "a"}) is None
+    line = mismatch(mine, {**shared_flags(3, 3, 3), "host": "a"})
+    assert line == ("--nnodes differs between this job's nodes: --nnodes 2 on host 'b', --nnodes 3 "
+                    "on rank 0's host 'a'; give every node the same --nnodes and relaunch them all")
+    line = mismatch(mine, {**shared_flags(2, 2, 1), "host": "a"})
+    assert line is not None and "--max-restarts 3 on host 'b', --max-restarts 1 on rank 0's" in line
+    assert mismatch(mine, {"host": "a"}) is None  # a node that does not say: nothing to compare
+
+
+@given(st.dictionaries(st.sampled_from(["nnodes", "max_restarts", "host", "addr"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=300),
+                                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
+                                                                                       max_size=2))))
+@settings(max_examples=400, deadline=None)
+def test_any_record_from_the_store_is_compared_without_raising_and_shown_bounded(leader: dict) -> None:
+    mine = {**shared_flags(2, 3, 5), "host": "me"}
+    line = mismatch(mine, leader)
+    if line is None:
+        return
+    assert "\n" not in line and len(line) < 400, line
+    key = "nnodes" if "--nnodes differs" in line else "max_restarts"
+    assert leader.get(key) != mine[key] and type(leader[key]) is (str if key == "nnodes" else int)
+
+
+def _node(tmp: Path, port: int, restarts: int, host: bool, script: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTICTK_"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastictk.run", "--nnodes", "2", "--max-restarts", str(restarts),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shared",
+         "--rdzv-conf", f"is_host={int(host)},join_timeout=120", str(script)],
+        cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text("print('trained')\n")
+    port = free_port()
+    nodes = [_node(tmp_path, port, 3, True, script), _node(tmp_path, port, 1, False, script)]
+    try:
+        done = [n.communicate(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    says = "--max-restarts differs between this job's nodes"
+    codes = sorted(n.returncode for n in nodes)
+    assert codes == [1, 2], (codes, [e[-2000:] for _, e in done])
+    for _, err in done:  # the node that found it exits 2 with the line; rank 0 ends with it
+        assert says in err and "give every node the same --max-restarts" in err, err[-2000:]
+        assert "Traceback" not in err, err[-3000:]

@@ -143,3 +143,12 @@ def test_a_section_and_a_fault_point_are_progress_in_the_slot(monkeypatch: objec
     assert after.section_last_s >= 0 and after.progress_count == before.progress_count + 2
     assert last.progress_count == after.progress_count + 1 and last.progress_mono >= after.progress_mono
     assert waiting.coll_since > 0 and never_arrived.coll_since == 0
+
+
+def test_a_rank_with_no_progress_since_its_start_is_not_judged() -> None:
+    """A replacement starting in place (and the ranks that wait for it to re-form) is a
+    start-up, not a hang: not judged until it progresses (``--startup-timeout`` covers it)."""
+    learned = Learned(ceiling=None)
+    old, new = SlotSnapshot(0, progress_mono=NOW - 30), SlotSnapshot(1, progress_mono=NOW - 1)
+    views_ = learned.views(NOW, {0: (0, os.getpid(), NOW - 10), 1: (1, os.getpid(), NOW - 10)}, [old, new])
+    assert [v.finished for v in views_] == [True, False]

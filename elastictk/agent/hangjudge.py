@@ -38,7 +38,7 @@ class RankView:
     section: str  # the user section it is inside ("" for none)
     state: str  # /proc state: R, S, D, T ...
     busy: bool  # used CPU since the look before (computing, not blocked)
-    finished: bool  # its script's main code has ended: never judged
+    finished: bool  # its script has ended, or it made no progress since its start: not judged
 
 
 @dataclass(frozen=True)

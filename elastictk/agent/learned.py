@@ -106,6 +106,8 @@ class Learned:
             s = slots[lr] if lr < len(slots) else SlotSnapshot(lr)
             finished = s.last_step_mono == math.inf
             last = max(started, s.progress_mono, 0.0 if finished else s.last_step_mono)
+            # no progress since it was (re)started: a start-up (--startup-timeout's), not a hang
+            fresh = last <= started
             cpu = cpu_seconds(pid)
             prev = self._cpu.get(lr)
             busy = False
@@ -116,7 +118,7 @@ class Learned:
             st = read_stat(pid)
             out.append(RankView(lr, rank, last, s.coll_since,
                                 s.section if s.section_since else "",
-                                "?" if st is None else st.state, busy, finished))
+                                "?" if st is None else st.state, busy, finished or fresh))
         return out
 
     def look(self, now: float, ranks: Mapping[int, tuple[int, int, float]],

@@ -343,8 +343,10 @@ class ProgressWatch:
         released to dump stacks and kill."""
         assert self.learned is not None
         ranks = dict(self._ranks)
+        # a replacement (in place) restarts every clock: the others wait for it to re-form
+        since = max(r.started for r in ranks.values())
         verdict, wait, views = self.learned.look(
-            now, {lr: (r.rank, r.handle.pid, r.started) for lr, r in ranks.items()}, slots)
+            now, {lr: (r.rank, r.handle.pid, since) for lr, r in ranks.items()}, slots)
         startup = self._startup_wait(now, slots)
         if startup is not None and (verdict is None or startup[0] is not None):
             if startup[0] is not None:

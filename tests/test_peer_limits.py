@@ -166,6 +166,19 @@ def test_no_sequence_of_puts_passes_a_count_byte_or_per_peer_limit(seq: list[tup
         r.close()
 
 
+def test_refusals_for_many_ranks_are_one_line_per_peer(server: PeerServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The ranks of a put are the sender's to choose: a line per rank would let one peer flood
+    the log (2**20 ranks), so a refusal is logged once a minute per peer."""
+    caplog.set_level(logging.WARNING, "elastictk.snapshot")
+    with _evil(server.port) as s:
+        for rank in range(100):
+            send(s, {"op": "put", "origin": "evil", "rank": rank, "world": 100, "step": 1,
+                     "nbytes": server.replicas.budget + 1, "sum": 0})
+            assert recv(s)["ok"] is False
+    lines = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
 # -- per-peer connection slots ---------------------------------------------------------------------------
 def test_one_peer_cannot_take_every_authenticated_connection(server: PeerServer,
                                                              caplog: pytest.LogCaptureFixture) -> None:

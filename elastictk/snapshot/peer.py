@@ -221,7 +221,7 @@ class PeerServer:
         try:
             rep = self.replicas.reserve(key, digest, nbytes, who)
         except (NoRoom, OSError) as e:
-            self._warn(f"noroom {key.rank}", str(e))
+            self._warn(f"noroom {who}", str(e))  # per peer: ranks are the sender's to choose
             send(conn, {"ok": False, "why": str(e)})
             return
         send(conn, {"ok": True})

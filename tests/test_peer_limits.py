@@ -393,3 +393,25 @@ def test_a_printable_name_is_kept_as_it_is_and_any_other_refused(name: str) -> N
         assert not name.isprintable()
         return
     assert out == name and name.isprintable()
+
+
+def test_the_limits_the_docs_state_are_the_codes() -> None:
+    """docs/snapshots.md's table of a token holder's limits, against the constants."""
+    from pathlib import Path
+
+    from elastictk.snapshot import peer, peertier, replicas, wire
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "snapshots.md").read_text()
+    rows = {
+        "authenticated connections from one address / in all": f"{peer.MAX_PEER_CONNECTIONS} / {peer.MAX_PEERS}",
+        "replicas held or arriving from one address / in all":
+            f"{replicas.MAX_PEER_REPLICAS} / {replicas.MAX_REPLICAS:,}",
+        "bytes still arriving from one address": "half of" if replicas.PEER_INFLIGHT == 0.5 else "?",
+        "a put's bytes, a `get`'s bytes (both sides)":
+            f"{peer.PUT_FLOOR:g} s plus the part's size at {wire.MIN_RATE >> 20} MiB/s",
+        "the client: connect and handshake; each `index`/`get` header":
+            f"{peertier.CONNECT_TIMEOUT:g} s at a round's start ({peertier.PUT_TIMEOUT:g} s for a put)",
+        "descriptors left to the agent (none accepted meanwhile)": f"{peer.FD_RESERVE} (a quarter",
+    }
+    for name, value in rows.items():
+        assert f"| {name} | {value}" in docs, (name, value)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastictk.chaos.expect import BUDGET, STORE, Shape, expect
-from elastictk.chaos.multinode import full_size_at, tag_events, workers_by_rank
+from elastictk.chaos.multinode import agents_up_at, full_size_at, tag_events, workers_by_rank
 from elastictk.faults import Fault, PlanError, generate_plan, plan_of
 from elastictk.testing.etcd import EtcdNotInstalled, find_etcd
 from tests.helpers.chaosrun import chaos as run_chaos
@@ -47,9 +47,13 @@ def test_a_lost_agent_is_a_membership_change_and_the_survivors_finish(tmp_path: 
 
 def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path: Path) -> None:
     # Under c10d the store lives in node 0's agent: the outage is a SIGSTOP of that agent.
+    # A world of one takes no step (--hold-below-world 2): node 1's agent starts a minute late on
+    # a loaded host, and node 0 alone (--nnodes 1:2) used to run the whole job before it came, so
+    # the faults, timed from the full world, never fired; likewise the rejoined node.
     plan = planned(tmp_path, Fault.of("store-outage:1", "store", at_s=1), Fault.of("kill-agent", "node:1", at_s=3))
     r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--rejoin", "1", "--nproc-per-node", "1",
-              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "60", "--step-time", "0.1")
+              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "60", "--step-time", "0.1",
+              "--hold-below-world", "2", timeout=480)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     d = report(tmp_path)
     assert [f["outcome"] for f in d["faults"]] == ["ridden through", "membership change"], d["faults"]
@@ -148,6 +152,19 @@ def test_ranks_map_to_the_workers_each_node_runs_now() -> None:
     assert full_size_at(events, 4, 2) == 3 and full_size_at(events[:3], 4, 2) is None
     stopped = tag_events([(1, [Event("workers_stopped", {}, mono=4)])])
     assert workers_by_rank(events + stopped, 2) == {2: (0, 10), 3: (0, 11)}
+
+
+def test_the_full_size_wait_counts_from_the_last_agent_up_not_from_the_start() -> None:
+    """A loaded host starts an agent a minute late: the wait for a full world (after which time
+    faults fire anyway) counts from when the last agent got past its start-up, or exited."""
+    from elastictk.metrics.events import Event
+
+    events = tag_events([(0, [Event("rendezvous_started", {}, mono=2), Event("workers_started", {}, mono=5)]),
+                         (1, [Event("rendezvous_started", {}, mono=70)])])
+    assert agents_up_at(events, 2) == 70
+    assert agents_up_at(events[:2], 2) is None  # node 1 still importing: no wait started
+    assert agents_up_at(events[:2], 2, exited=[1]) == 2  # node 1 exited: up as far as waiting goes
+    assert agents_up_at(events, 3) is None
 
 
 shapes = st.builds(Shape, nodes=st.integers(2, 6), min_nodes=st.integers(1, 6), backend=st.sampled_from(["c10d", "etcd"]),

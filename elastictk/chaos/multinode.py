@@ -11,8 +11,11 @@ Besides the worker faults of a single node, two faults only make sense here:
   running; they talk over their own process group, not over the rendezvous store).
 
 Time faults count from the moment workers first run on every node (agents start at the speed
-of the machine, and a kill before the first round would hit a spare, not a member), or from
-``FULL_SIZE_WAIT`` seconds after the start if the job never reaches its full size.
+of the machine, and a kill before the first round would hit a spare, not a member), or, if the
+job never reaches its full size, from ``FULL_SIZE_WAIT`` seconds after every agent is up (its
+``rendezvous_started``, or it exited): not after the run's start, since an agent's own start-up
+takes a minute on a loaded host, and a fault timed from the start would hit an agent still
+importing torch.
 
 Worker faults find their PIDs through the agents' event logs: ``round_joined`` gives each
 agent's group rank, ``workers_started`` its workers' PIDs by local rank, so global rank
@@ -78,6 +81,20 @@ def full_size_at(events: Sequence[Any], world: int, nodes: int) -> Optional[floa
     return None
 
 
+def agents_up_at(events: Sequence[Any], nodes: int, exited: Iterable[int] = ()) -> Optional[float]:
+    """When the last of ``nodes`` agents got past its start-up (its first ``rendezvous_started``,
+    tagged events, by time); nodes in ``exited`` count as up from the first event on."""
+    seen: set[Any] = set(exited)
+    if len(seen) >= nodes:
+        return float(events[0].mono) if events else 0.0
+    for e in events:
+        if e.kind == "rendezvous_started":
+            seen.add(e.fields.get("node"))
+            if len(seen) >= nodes:
+                return float(e.mono)
+    return None
+
+
 def run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command: Sequence[str],
               out_dir: Path, *, nodes: int, backend: str, nproc: int, timeout: float,
               rejoin_s: Optional[float] = None,
@@ -130,7 +147,9 @@ def _run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command
             _refresh(rec, cluster, fault_log, nproc)
             if rec.clock is None:
                 rec.clock = full_size_at(rec.events, nodes * nproc, nodes)
-                if rec.clock is None and now - rec.started > FULL_SIZE_WAIT:
+                exited = [n for n in range(nodes) if (c := cluster.current(n)) is None or c.proc.poll() is not None]
+                up = agents_up_at(rec.events, nodes, exited)
+                if rec.clock is None and up is not None and now - max(up, rec.started) > FULL_SIZE_WAIT:
                     rec.clock = now
             while outside and rec.clock is not None and now - rec.clock >= float(outside[0][1].at_s or 0):
                 due.append(outside.pop(0))

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["soak"]:  # python -m bench soak [--quick] [--runs N] [--seed S] ...
         from . import soak
         return soak.main(argv[1:])
+    if argv[:1] == ["snapshot"] and any(a.startswith("--device") for a in argv[1:]):  # the CUDA path
+        from . import _snapshot_cuda
+        return _snapshot_cuda.main([x for a in argv[1:] for x in a.split("=", 1)])
     if argv[:1] == ["rendezvous"] and "--scale" in argv[1:]:  # 8 to 1,024 simulated nodes
         from . import _rdzv_scale
         return _rdzv_scale.main([a for a in argv[1:] if a != "--scale"])

@@ -343,7 +343,6 @@ BAD: list[tuple[list[str], str]] = [
     (["--master-addr", "host:1234", SCRIPT], "without a port"),
     (["--logs-specs", "x", SCRIPT], "--logs-specs x: no entry point of that name in group "
                                     "'torchrun.logs_specs' (installed: "),
-    (["--numa-binding", "node", SCRIPT], "--numa-binding is not supported"),
     (["--event-log-handler", "nosuch", SCRIPT], "no torch event handler of that name"),
     (["--recovery", "retry", SCRIPT], "use one of restart-all, in-place"),
     (["--restart-intensity", "3", SCRIPT], "write R/T"),
@@ -366,6 +365,25 @@ def test_bad_input_is_one_line_and_exit_2(workdir: Path, argv: list[str], needle
     assert err.startswith("elastictk-run: error: ") and err.endswith("\n")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert needle in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+@pytest.mark.parametrize("mode", ["node", "socket", "exclusive", "core-complex"])
+def test_numa_binding_without_cuda_is_one_line_and_exit_2(workdir: Path, mode: str) -> None:
+    code, err, config = main_for_test(["--numa-binding", mode, SCRIPT])
+    assert (code, config) == (2, None) and err.count("\n") == 1 and "Traceback" not in err
+    assert f"--numa-binding {mode}: binds each worker to the CPUs nearest the GPU" in err
+    assert "leave --numa-binding out" in err
+
+
+def test_numa_binding_with_cuda_puts_the_binding_before_each_worker(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepted where CUDA is (stood in for here): the worker command is bound first."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    code, err, config = main_for_test(["--numa-binding", "socket", SCRIPT, "--lr", "1"])
+    assert code == 0 and config is not None, err
+    assert config.entrypoint[1:5] == ["-m", "elastictk.supervisor.numabind", "socket", "--"]
+    assert config.entrypoint[5:] == [config.entrypoint[0], "-u", SCRIPT, "--lr", "1"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")

@@ -63,9 +63,16 @@ def config_from_namespace(
 
 
 def _refuse_unsupported(c: Flags) -> None:
-    """torchrun flags elastictk-run does not take, refused by name."""
-    if c.ns.numa_binding:
-        raise UsageError(f"--numa-binding is not supported by {PROG}; leave it out")
+    """torchrun flags elastictk-run cannot honour here, refused by name: ``--numa-binding``
+    binds each worker near the GPU its local rank names, so it needs CUDA."""
+    mode = c.ns.numa_binding
+    if mode:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--numa-binding {mode}: binds each worker to the CPUs nearest the GPU its "
+                             "LOCAL_RANK names, and torch sees no CUDA GPU on this host "
+                             "(torch.cuda.is_available() is False); leave --numa-binding out")
 
 
 def _event_log_handler(c: Flags) -> dict[str, Any]:
@@ -103,6 +110,10 @@ def _entrypoint(c: Flags) -> dict[str, Any]:
         entrypoint = [script, *script_args]
     else:
         entrypoint = [python, "-u", *(["-m"] if module else []), script, *script_args]
+    if c.ns.numa_binding:  # each worker bound near its GPU first, as torchrun does (numabind.py)
+        from ..supervisor.numabind import command
+
+        entrypoint = command(c.ns.numa_binding, entrypoint, python)
     return dict(entrypoint=entrypoint, training_script=script, training_script_args=script_args,
                 module=module, no_python=no_python, run_path=run_path)
 

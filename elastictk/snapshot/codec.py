@@ -76,6 +76,19 @@ class Plan:
         out[U64.size:U64.size + len(self.skeleton)] = self.skeleton
         self.write_tensors(out, [i for i in range(len(self.tensors)) if i not in skip])
 
+    def pairs(self, out: memoryview, indices: list[int]) -> list[tuple[Any, Any]]:
+        """``(where in out, tensor)`` for each of ``indices`` (the CUDA path queues these copies
+        on a stream of its own; ``out`` must outlive them)."""
+        import torch
+
+        u8 = torch.frombuffer(out, dtype=torch.uint8, count=self.size)
+        got = []
+        for i in indices:
+            t, (_, shape, off, nbytes) = self.tensors[i], self.meta[i]
+            if nbytes:
+                got.append((u8[self.base + off:self.base + off + nbytes].view(t.dtype).view(shape), t))
+        return got
+
     def write_tensors(self, out: memoryview, indices: list[int]) -> None:
         import torch
 

@@ -8,6 +8,10 @@ contiguous tensor of the same shape and dtype at the same place, the snapshot's 
 straight into it (a module's parameters, an optimizer's moments); only what the script does not
 hold yet (a fresh optimizer's momentum) is allocated, once.
 
+CUDA tensors the script holds are destinations too: each chunk goes host to device with
+``non_blocking=True`` from the slot (page-locked by :mod:`.cuda` when it could be registered),
+and the stream is synchronized once at the end.
+
 The copy from the local tier goes in chunks of :data:`CHUNK` bytes in the slot's order, and a
 second thread checksums (XXH3-64, streamed: the same digest as one pass) each chunk while the
 next is copied, so verifying costs little more than copying; the verdict comes at the end
@@ -47,7 +51,7 @@ def destinations(tree: Any, current: Any, meta: list[tuple[str, list[int], int, 
                 dtype_name, shape, _, _ = meta[i]
                 dtype = getattr(torch, dtype_name)
                 if isinstance(cur, torch.Tensor) and _plain(cur) and cur.dtype == dtype \
-                        and list(cur.shape) == list(shape) and cur.device.type == "cpu":
+                        and list(cur.shape) == list(shape) and cur.device.type in ("cpu", "cuda"):
                     out[i] = cur.detach()
                 else:
                     out[i] = torch.empty(shape, dtype=dtype)
@@ -154,12 +158,14 @@ def load_verified(data: memoryview, digest: int, current: Any,
                 dst, src = whole[at:at + n], u8[base + meta[i][2] + at:base + meta[i][2] + at + n]
                 if copy is not None:
                     copy(dst, src)
-                else:
-                    dst.copy_(src)
+                else:  # host to device from a page-locked slot: queued, not waited for
+                    dst.copy_(src, non_blocking=dst.is_cuda)
             todo.put((start, end))
     finally:
         todo.put(None)
         hasher.join()
+        if any(t.is_cuda for t in dest):
+            torch.cuda.current_stream().synchronize()  # the slot may change once this returns
         del u8
     got = h.intdigest()
     why = None if got == digest else f"checksum {got:016x} != {digest:016x}"

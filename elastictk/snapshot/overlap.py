@@ -25,13 +25,13 @@ with the copy on the training thread.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 
 def guarded(objects: Iterable[Any]) -> set[int]:
     """``data_ptr`` of every tensor an optimizer among ``objects`` changes in its step: its
-    parameters and the tensors of its state (momentum, Adam's moments). CPU tensors only: a
-    GPU tensor's copy stays on the training thread (it is one device-to-host copy)."""
+    parameters and the tensors of its state (momentum, Adam's moments), on the CPU or a CUDA
+    device (a CUDA one is copied on the copy stream, :mod:`.cuda`, and the step waits on it)."""
     import torch
 
     ptrs: set[int] = set()
@@ -40,11 +40,11 @@ def guarded(objects: Iterable[Any]) -> set[int]:
             continue
         for group in obj.param_groups:
             for p in group["params"]:
-                if p.device.type == "cpu" and p.numel():
+                if p.device.type in ("cpu", "cuda") and p.numel():
                     ptrs.add(p.data_ptr())
         for per_param in obj.state.values():
             for v in per_param.values() if isinstance(per_param, dict) else ():
-                if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel():
+                if isinstance(v, torch.Tensor) and v.device.type in ("cpu", "cuda") and v.numel():
                     ptrs.add(v.data_ptr())
     return ptrs
 
@@ -56,6 +56,8 @@ class Gate:
         self._done = threading.Event()
         self._done.set()
         self._handles: dict[int, Any] = {}
+        # CUDA: the copy stream's wait (cuda.CopyStream.before_step), queued by the pre-hook
+        self.stream_wait: Optional[Callable[[], None]] = None
 
     def attach(self, objects: Iterable[Any]) -> None:
         """Hook every optimizer among ``objects`` (once each)."""
@@ -81,6 +83,8 @@ class Gate:
         return self._done.wait(timeout)
 
     def _before_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self.stream_wait is not None:  # the step's kernels queue behind the device copy
+            self.stream_wait()
         self._done.wait()
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import codec, copies, ending, into, overlap, reshard
+from . import codec, copies, cuda, ending, into, overlap, reshard
 from .dcp import DcpDisk
 from .local import Region
 from .settings import Settings
@@ -44,9 +44,14 @@ class Deferred:
 
     plan: codec.Plan
     out: memoryview
-    indices: list[int]
-    versions: list[int]
+    indices: list[int]  # copied by the background thread (CPU tensors)
+    versions: list[int]  # of ``checked``, at the commit
     previous: Optional[tuple[int, int, int]]
+    checked: list[int]  # every deferred tensor (CPU, and CUDA ones on the copy stream)
+    # The version check, once: by the optimizer's step pre-hook (a CUDA step is queued behind the
+    # copy without waiting on the host, and bumps the versions as it is queued) or, if the
+    # background thread gets there first, by it. None: not yet; -1: unchanged; else the index.
+    verdict: Optional[int] = None
 
 
 @dataclass
@@ -113,6 +118,9 @@ class Snapshotter:
         self._failed: Optional[tuple[int, str]] = None  # the newest disk save that failed: why
         self._settled: Optional[int] = None  # the step finish() last accounted for
         self._dirty = False  # a torn part was loaded in place: the state's tensors hold its bytes
+        self._pin: Optional[cuda.HostPin] = None  # CUDA: the slots page-locked (made on first use)
+        self._copy: Optional[cuda.CopyStream] = None
+        self._vlock = threading.Lock()
         if self.disk is not None:  # the newest commit on disk when the script ends (ending.py)
             ending.watch(self)
 
@@ -146,11 +154,19 @@ class Snapshotter:
             if self._private is None or len(self._private) < plan.size:
                 self._private = bytearray(plan.size)
             out, i = memoryview(self._private), -1
-        plan.write(out, skip=frozenset(deferred))
+        on_stream = self._on_stream(plan, i, out)  # CUDA tensors: DMA into the page-locked slot
+        plan.write(out, skip=frozenset(deferred) | frozenset(on_stream))
+        if on_stream:
+            assert self._copy is not None
+            waits = not self.overlap or any(k not in deferred for k in on_stream)  # a buffer forward changes
+            self._copy.start(plan.pairs(out, on_stream), wait_now=waits)
+            if not self.overlap:
+                self._copy.wait_host()  # copy in commit(), as without CUDA
         if deferred:  # published by the background thread once copied and unchanged
-            self._deferred = Deferred(plan, out, deferred, [plan.tensors[k]._version for k in deferred],
-                                      self._last)
-            self.gate.opened()
+            self._deferred = Deferred(plan, out, [k for k in deferred if k not in on_stream],
+                                      [plan.tensors[k]._version for k in deferred], self._last, deferred)
+            if self._deferred.indices:
+                self.gate.opened()  # the CPU copy: the optimizer's step waits on the host
         elif i >= 0:
             assert self.region is not None
             self.region.publish(i, step, plan.size, self.rank, self.world)
@@ -160,6 +176,45 @@ class Snapshotter:
         self._thread = threading.Thread(target=self._after, args=(step, i, plan.size, due, group),
                                         name="elastictk-snapshot")
         self._thread.start()
+
+    def _check_versions(self, d: Deferred) -> Optional[int]:
+        """Index (into ``d.checked``) of a tensor written in place since the commit, else None;
+        decided once, before the optimizer's own step writes them (see :class:`Deferred`)."""
+        with self._vlock:
+            if d.verdict is None:
+                bad = overlap.changed([d.plan.tensors[k] for k in d.checked], d.versions)
+                d.verdict = -1 if bad is None else bad
+            return None if d.verdict < 0 else d.verdict
+
+    def _before_cuda_step(self) -> None:
+        """The optimizer step pre-hook on the CUDA path: settle the version check, then queue
+        the step's kernels behind the copy (a stream wait, no host sync)."""
+        d = self._deferred
+        if d is not None:
+            self._check_versions(d)
+        if self._copy is not None:
+            self._copy.before_step()
+
+    def _on_stream(self, plan: codec.Plan, i: int, out: memoryview) -> list[int]:
+        """The CUDA tensors of ``plan`` to copy on the copy stream: all of them when slot ``i``
+        is page-locked (registered once), else none (copied as before, pageable)."""
+        gpu = [k for k, t in enumerate(plan.tensors) if t.is_cuda and t.numel()]
+        if not gpu or i < 0 or self.region is None:
+            return []
+        if not self._pin_slot(i):
+            return []
+        if self._copy is None:
+            self._copy = cuda.CopyStream()
+            self.gate.stream_wait = self._before_cuda_step
+        return gpu
+
+    def _pin_slot(self, i: int) -> bool:
+        """Slot ``i`` page-locked for CUDA (once per slot); False: it stays pageable."""
+        assert self.region is not None
+        if self._pin is None:
+            self._pin = cuda.HostPin(say=lambda line: say(f"rank {self.rank}: {line}"),
+                                     memory=self.region.memory)
+        return self._pin.register(i, self.region.data(i))
 
     def _buffer(self, i: int, length: int) -> memoryview:
         if i >= 0:
@@ -237,19 +292,21 @@ class Snapshotter:
     def _finish_copy(self, step: int, i: int, length: int) -> bool:
         """Copy the deferred tensors, check none changed meanwhile, publish; False when the
         commit is given up (the previous one stays the newest)."""
-        d, self._deferred = self._deferred, None
+        d = self._deferred  # left in place until settled: the step pre-hook reads it meanwhile
         if d is None:
             return True
         try:
+            if self._copy is not None:
+                self._copy.wait_host()  # the CUDA copies, waited for here: off the training thread
             d.plan.write_tensors(d.out, d.indices)
-            bad = overlap.changed([d.plan.tensors[k] for k in d.indices], d.versions)
+            bad = self._check_versions(d)
             if bad is None:
                 if i >= 0:
                     assert self.region is not None
                     self.region.publish(i, step, length, self.rank, self.world)
                 return True
             self._last, self.overlap = d.previous, False
-            t = d.plan.tensors[d.indices[bad]]
+            t = d.plan.tensors[d.checked[bad]]
             kept = f"step {d.previous[0]}" if d.previous is not None else "none"
             say(f"rank {self.rank}: the snapshot of step {step} is dropped: a tensor of the state "
                 f"(shape {list(t.shape)}) was changed in place outside the optimizer while it was "
@@ -257,6 +314,7 @@ class Snapshotter:
                 "thread from now on (drop --snapshot-overlap for this script)")
             return False
         finally:
+            self._deferred = None
             self.gate.closed()
 
     def wait(self) -> None:
@@ -315,7 +373,10 @@ class Snapshotter:
             assert self.region is not None
             m = got[1]
             self.region.populate(m)
-            tree, why = into.load_verified(self.region.data(m.index)[:m.length], m.digest, template())
+            current = template()
+            if cuda.has_cuda([t for _, t in reshard.paths(current)]):  # host to device, page-locked slot
+                self._pin_slot(m.index)
+            tree, why = into.load_verified(self.region.data(m.index)[:m.length], m.digest, current)
             if why is not None:
                 self._dirty = True
                 torn.append(f"rank {self.rank}'s local part of step {step} is torn ({why})")
@@ -410,6 +471,8 @@ class Snapshotter:
         if self.disk is not None:
             self.disk.drop_group()
         self.gate.detach()
+        if self._pin is not None:  # before the mapping goes
+            self._pin.close()
         if self.region is not None:
             self.region.close()
 
@@ -427,16 +490,3 @@ def gather_on(group: Any, obj: Any, world: int) -> list[Any]:
 
 def _one_line(e: BaseException) -> str:
     return (str(e).strip() or type(e).__name__).splitlines()[0]
-
-
-def clone_tree(x: Any, clone: Callable[[Any], Any]) -> Any:
-    if isinstance(x, dict):
-        out = type(x)() if type(x) is not dict else {}
-        for k, v in x.items():
-            out[k] = clone_tree(v, clone)
-        return out
-    if isinstance(x, list):
-        return [clone_tree(v, clone) for v in x]
-    if isinstance(x, tuple):
-        return tuple(clone_tree(v, clone) for v in x)
-    return clone(x)

@@ -74,11 +74,11 @@ def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, s
             return max((json.loads(x)["step"] for x in lines if x.endswith("}")), default=0)
 
         on(0)
-        hosts[1].wait_listening(hosts[0].addr, PORT, timeout=120)
+        hosts[1].wait_listening(hosts[0].addr, PORT, timeout=300)  # far past a loaded host's start-up
         on(1)
         if change == "leave":
             on(2)
-        _wait(lambda: step() >= 3, 120, "step 3")
+        _wait(lambda: step() >= 3, 300, "step 3")  # two agents' start-up: minutes at a load of 20
         if change == "leave":
             from elastictk.lifetime import procfs
 
@@ -90,7 +90,7 @@ def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, s
         logs = []
         for i, p in enumerate(agents):
             try:
-                _, err = p.communicate(timeout=120)
+                _, err = p.communicate(timeout=300)
             except subprocess.TimeoutExpired:
                 kill_tree(p)
                 _, err = p.communicate()

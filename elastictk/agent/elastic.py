@@ -45,7 +45,7 @@ from .config import AgentConfig
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
 from .preempt import preempt
 from .recovery import RecoveryWatch
-from .shared_flags import mismatch, shared_flags
+from .shared_flags import mismatch, rank0_meta, shared_flags
 from .stragglers import StragglerWatch, watch_round
 from .watchdog import Watchdog
 
@@ -269,7 +269,7 @@ class ElasticAgent:
         self._emit(EventKind.RENDEZVOUS_STARTED, node_id=self.handler.node_id)
         try:
             info = self.handler.next_round()
-            differs = None if info.rank == 0 else mismatch(self.handler.meta, info.master)
+            differs = None if info.rank == 0 else mismatch(self.handler.meta, rank0_meta(info))
             if differs is None:
                 return info
             self.handler.shutdown(differs)  # the others end with the same line, not a hang

@@ -42,6 +42,15 @@ def mismatch(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:
     return None
 
 
+def rank0_meta(info: Any) -> Mapping[str, Any]:
+    """Rank 0's join record of round ``info``: ``RoundInfo.master`` where the round hands it
+    to every node alone (O(1)), else from the member list."""
+    master = getattr(info, "master", None)
+    if isinstance(master, dict):
+        return master
+    return next((m.meta for m in getattr(info, "members", ()) if m.rank == 0), {})
+
+
 def _host(meta: Mapping[str, Any]) -> str:
     host = meta.get("host")
     return f"host {host[:64]!r}" if isinstance(host, str) and host else "host (unnamed)"

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from elastictk.snapshot.codec import checksum
 from elastictk.snapshot.local import Holder, Region
 from elastictk.snapshot.peer import PeerClient, PeerServer
-from elastictk.snapshot.peertier import PeerTier
+from elastictk.snapshot.peertier import ENV_THROTTLE, PeerTier
 from elastictk.snapshot.replicas import KEEP, Key, Replicas, stale, superseded
 from elastictk.snapshot.ring import ring_targets, to_fetch
 from elastictk.snapshot.settings import ENV_NOTIFY, SettingsError, parse_replicas, parse_tiers
@@ -329,15 +329,20 @@ def _says_hello(addr: str, port: int) -> bool:
 
 
 def _origins(host: Any, pid: int) -> set[str]:
+    return {k.origin for k in _held(host, pid)}
+
+
+def _held(host: Any, pid: int) -> list[Key]:
+    """The replicas the agent of ``pid`` on ``host`` holds (its peer server's index)."""
     ports = [p for p in _peer_port(pid, host.addr) if p != PORT]
     ours = host.call(lambda: [p for p in ports if _says_hello(host.addr, p)])
     assert len(ours) == 1, (ports, ours)
     port = ours[0]
 
-    def ask() -> set[str]:
+    def ask() -> list[Key]:
         c = PeerClient(host.addr, port, TOKEN.encode(), "peerjob", timeout=5)
         try:
-            return {k.origin for k in c.index()}
+            return c.index()
         finally:
             c.close()
     return host.call(ask)
@@ -377,9 +382,11 @@ def _first_start_after(path: Path, wall: float) -> str:
     return "(no start after the fault)"
 
 
-def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
+def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: float = 0) -> dict[str, Any]:
     """3 test hosts, --nnodes 2:2 (host 2 a spare); host 1 killed whole at step 10, where the
-    ranks hold until the test says go (a loaded machine starts the spare slowly)."""
+    ranks hold until the test says go (a loaded machine starts the spare slowly). ``send_bps``:
+    the agents' sends throttled to that rate (slower than the steps), and host 1 killed once
+    host 0 holds its rank's step 10."""
     import subprocess
     import sys
 
@@ -396,7 +403,8 @@ def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
     agents: list[subprocess.Popen[str]] = []
     try:
         endpoint = f"{hosts[0].addr}:{PORT}"
-        env = {**os.environ, "ELASTICTK_RDZV_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "eth0"}
+        env = {**os.environ, "ELASTICTK_RDZV_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "eth0",
+               **({ENV_THROTTLE: str(send_bps)} if send_bps else {})}
 
         def on(i: int) -> subprocess.Popen[str]:
             argv = [sys.executable, "-m", "elastictk.run", "--nnodes", "2:2", "--nproc-per-node", "1",
@@ -423,6 +431,9 @@ def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
         _wait(lambda: (tmp_path / "events2.jsonl").exists()
               and "spare_waiting" in (tmp_path / "events2.jsonl").read_text(), timeout=60)
         _wait(lambda: min(step(0), step(1)) >= 10, timeout=60)
+        if send_bps:  # the last send, begun while the ranks still committed, ends: a common step
+            _wait(lambda: any((k.rank, k.step) == (1, 10) for k in _held(hosts[0], agents[0].pid)),
+                  timeout=120)
         before = _origins(hosts[0], agents[0].pid) if "peer" in tiers else set()
         killed_at, killed_wall = step(1), time.time()
         from elastictk.lifetime import procfs
@@ -444,7 +455,12 @@ def _run_losing_a_host(tmp_path: Path, tiers: str) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 agents[i].kill()
                 _, errs[i] = agents[i].communicate()
+        try:
+            _, errs[1] = agents[1].communicate(timeout=30)  # killed: what it said before
+        except subprocess.TimeoutExpired:
+            errs[1] = ""
         result = {"rc": [agents[0].returncode, agents[2].returncode], "err0": errs[0], "err2": errs[2],
+                  "err1": errs[1],
                   "restored": {r: _first_start_after(out / f"restored-{r}", killed_wall) for r in (0, 1)},
                   "killed_at": killed_at, "before": before, "after": after,
                   "out": out}
@@ -477,6 +493,26 @@ def test_a_whole_host_killed_its_rank_restores_on_the_spare_from_a_peer(tmp_path
     assert len(r["before"]) == 1, "host 0 held the lost host's replicas"
     assert len(r["after"]) == 1 and r["after"] != r["before"], "the lost node's replicas are dropped"
     print(f"rank 1 restored step {restored[1]} (host killed after step {r['killed_at']}) from a peer")
+
+
+def test_a_host_lost_while_its_sends_are_slower_than_the_steps_restores_from_its_replica(
+        tmp_path: Path) -> None:
+    """Each send takes ~2 s against steps of ~0.15 s: before the slot being sent was pinned, every
+    part was overwritten while it was sent and refused torn, so while the job committed no replica
+    ever arrived. Now each arrives whole, one send behind, the lag is said, and the spare restores
+    the lost rank from host 0's replica."""
+    import torch
+
+    part = 1500  # bytes of this job's part, about: a send of ~2 s
+    r = _run_losing_a_host(tmp_path, "local,peer", send_bps=part / 2)
+    assert r["rc"] == [0, 0], r["err0"][-3000:] + "\n---\n" + r["err2"][-3000:]
+    assert "torn" not in r["err0"] + r["err2"], (r["err0"] + r["err2"])[-3000:]
+    assert "rank 1's replica lags" in r["err1"] and "behind its newest commit" in r["err1"], r["err1"][-3000:]
+    restored = {k: int(v) for k, v in r["restored"].items()}
+    assert restored[0] == restored[1] == 10, restored
+    assert "rank 1 restored step 10 from peer " in r["err2"], r["err2"][-3000:]
+    weights = torch.load(r["out"] / "weights.pt")
+    assert all(torch.equal(a, b) for a, b in zip(weights, _reference())), "fault-free weights"
 
 
 def test_the_same_loss_with_the_local_tier_only_gets_no_part_from_a_peer(tmp_path: Path) -> None:

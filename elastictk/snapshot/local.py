@@ -232,9 +232,12 @@ class Region:
                 pass
         return digest
 
-    def adopt(self, step: int, raw: memoryview, rank: int, world: int, origin: str = "") -> int:
+    def adopt(self, step: int, raw: memoryview, rank: int, world: int, origin: str = "",
+              digest: Optional[int] = None) -> int:
         """Make ``raw`` (a serialized state, e.g. from disk or a peer) this region's active
-        snapshot; ``origin`` says where it came from (what a restore names)."""
+        snapshot; ``origin`` says where it came from (what a restore names). ``digest``: its
+        checksum, already verified over ``raw`` (a peer's part): stored without reading the
+        bytes again (the restore verifies the slot as it loads it)."""
         self.check_fits(len(raw), step, rank)
         i = self.begin()
         self.data(i)[:len(raw)] = raw
@@ -243,7 +246,12 @@ class Region:
         off = OFF_ORIGIN + ORIGIN_SIZE * i
         self.mm[off + U32.size:off + U32.size + len(text)] = text
         U32.pack_into(self.mm, off, len(text))
-        self.seal(i)
+        if digest is None:
+            self.seal(i)
+        else:
+            meta = META_BASE + 64 * i
+            U64.pack_into(self.mm, meta + OFF_SUM, digest)
+            U32.pack_into(self.mm, meta + 4, 1)
         return i
 
     def origin(self, i: int) -> str:

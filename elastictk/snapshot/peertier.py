@@ -147,10 +147,10 @@ class PeerTier:
     def _fetch(self, client: PeerClient, region: Region, e: Endpoint, rank: int, world: int, step: int) -> None:
         t0 = time.monotonic()
         try:
-            raw, _ = client.get(rank, world, step, limit=region.slot_size)
+            raw, digest = client.get(rank, world, step, limit=region.slot_size)  # verified
             took = (time.monotonic() - t0) * 1000
             region.adopt(step, memoryview(raw), rank, world,
-                         origin=f"peer {e[1]} (fetched by the agent in {took:.1f} ms)")
+                         origin=f"peer {e[1]} (fetched by the agent in {took:.1f} ms)", digest=digest)
         except Exception as err:  # a torn or missing part, no room: the restore agrees without it
             self._warn(f"fetch {rank} {step}", f"rank {rank}'s step {step} not fetched from {e[1]}: {err}")
             return

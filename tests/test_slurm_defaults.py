@@ -135,6 +135,7 @@ def test_a_second_task_on_a_node_has_its_own_id(script: str) -> None:
     ("SLURM_JOB_NODELIST", "node[01-03", "SLURM_JOB_NODELIST"),
     ("SLURM_JOB_NODELIST", "-", "SLURM_JOB_NODELIST is not"),
     ("SLURMD_NODENAME", "a b", "SLURMD_NODENAME"),
+    ("SLURMD_NODENAME", "node09", "SLURMD_NODENAME 'node09' is not in SLURM_JOB_NODELIST"),
     ("SLURM_LOCALID", "-1", "SLURM_LOCALID"),
 ])
 def test_malformed_slurm_variables_exit_2_in_one_line(script: str, var: str, value: str, says: str) -> None:

@@ -62,7 +62,7 @@ class Job:
         path = self.out / "starts.jsonl"
         return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
-    def wait_for(self, pred: Callable[[list[dict[str, str]]], bool], timeout: float = 90) -> list[dict[str, str]]:
+    def wait_for(self, pred: Callable[[list[dict[str, str]]], bool], timeout: float = 240) -> list[dict[str, str]]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = self.starts()

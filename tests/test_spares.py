@@ -31,7 +31,7 @@ def events(path: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
-def wait_event(path: Path, kind: str, timeout: float = 60) -> dict[str, Any]:
+def wait_event(path: Path, kind: str, timeout: float = 240) -> dict[str, Any]:  # past a loaded host
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = events(path, kind)

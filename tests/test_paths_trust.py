@@ -83,6 +83,26 @@ def test_a_directory_passes_only_when_it_is_mine_and_nobody_else_can_write_it(mi
             assert "private subdirectory" in problem and "chmod" not in problem
 
 
+KINDS = {"file": stat.S_IFREG, "fifo": stat.S_IFIFO, "chardev": stat.S_IFCHR, "blockdev": stat.S_IFBLK,
+         "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK, "socket": stat.S_IFSOCK}
+
+
+@given(kind=st.sampled_from(sorted(KINDS)), owner=st.sampled_from(["me", "root", "other"]),
+       mode=st.integers(0, 0o7777))
+def test_what_an_append_may_open_is_a_file_or_fifo_of_mine_or_a_device(kind: str, owner: str, mode: int) -> None:
+    """open_append's judgement of what it found (lstat before, fstat after the open)."""
+    uid = {"me": os.geteuid(), "root": 0, "other": 65534 if os.geteuid() != 65534 else 65533}[owner]
+    st_ = os.stat_result((KINDS[kind] | mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+    mine = uid == os.geteuid()
+    ok = kind == "chardev" or (kind in ("file", "fifo") and mine)
+    try:
+        _paths._check_appendable("/x/ev", st_)
+    except _paths.Unsafe as e:
+        assert not ok and "\n" not in str(e) and "/x/ev" in str(e)
+    else:
+        assert ok
+
+
 def test_make_own_dir_makes_0700_whatever_the_umask_and_refuses_a_shared_one(tmp_path: Path) -> None:
     old = os.umask(0)
     try:

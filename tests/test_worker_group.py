@@ -286,7 +286,7 @@ def test_a_group_owns_the_preload_server_it_started(tmp_path: Path) -> None:
     spec = WorkerSpec(python_script_argv(script(tmp_path, "print('hi')\n")), start_method="preload")
     with WorkerGroup(spec, tmp_path / "logs", preload_modules=["json"]) as g:
         g.prepare()  # the import starts now, e.g. while rendezvous runs
-        server_pid = g._server.pid if g._server else None
+        server_pid = g._starter.server.pid if g._starter.server else None
         assert server_pid is not None
         g.start(0, assignment(lws=1))
         assert g.wait(timeout=60)[0].exitcode == 0
@@ -323,7 +323,7 @@ def test_wake_after_close_writes_into_no_reused_fd(tmp_path: Path) -> None:
     """A watch thread may call wake() after the agent closed its group; the fd numbers of the
     group's wake pipe are free by then and may belong to a file or socket opened since."""
     g = WorkerGroup(WorkerSpec(["/bin/true"]), tmp_path / "logs")
-    old_w = g._wake_w
+    old_w = g._exits._wake_w
     g.close()
     r, w = os.pipe()
     try:

@@ -15,6 +15,10 @@ An agent drives it as a loop::
 wakeup pipe, so it returns on the first exit, on ``wake()`` (another thread or a signal handler
 wants the agent's attention) or on the timeout; it never sleeps in a polling loop.
 
+The group decides when each rank starts, what its exit means and when the attempt ends; its
+parts live beside it: ``exitwatch`` (the one ``select``), ``escalate`` (the stop sequence),
+``starter`` (the start methods and their helpers), ``grouplogs`` (the log tree and tee pumps).
+
 Ownership: the group owns its workers and their whole process trees (each worker leads its own
 session; the agent becomes a child subreaper so orphaned grandchildren come back to it), the
 death watch that kills those sessions if the agent is SIGKILLed, the log pump, and the preload
@@ -31,35 +35,25 @@ exits). ``wake`` and ``signal_all`` may be called from any thread or a signal ha
 """
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .env import Assignment, worker_env
-from .forkserver import DEFAULT_PRELOAD, ForkServerError, PreloadServer
-from .logs import (
-    Console, LogPump, RankLogs, claim_run_dir, closed_on_error as _closed_on_error, line_filters,
-    make_attempt_dir, make_private_dir, open_rank_logs, open_reified_rank_logs, reified_filters, reify,
-)
-from .process import (
-    WorkerProcess, acquire_mp_forkserver, release_mp_forkserver, start_multiprocessing,
-    start_preloaded, start_subprocess,
-)
-from ..lifetime.reaper import (
-    acquire_subreaper, reap_orphans, release_child, release_subreaper, signal_trees, wait_gone,
-)
-from .sessions import SWEEP_EVERY, WorkerSessions
-from .spec import WorkerResult, WorkerSpec, parse_python_argv
+from .env import Assignment
+from .escalate import KILL_WAIT, escalate
+from .exitwatch import ExitWatch
+from .forkserver import PreloadServer
+from .grouplogs import GroupLogs
+from .logpump import Console
+from .process import WorkerProcess
+from ..lifetime.reaper import acquire_subreaper, release_child, release_subreaper
+from .sessions import WorkerSessions
+from .spec import WorkerResult, WorkerSpec
+from .starter import WorkerStarter
 
-# How long stop() waits for SIGKILLed processes and for tee pipes to drain; past this something
-# is stuck in the kernel (D state) and waiting longer would only hang the agent.
-_KILL_WAIT = 30.0
-_PUMP_DRAIN = 5.0
+_PUMP_DRAIN = 5.0  # how long stop() waits for tee pipes to drain
 
 
 class GroupStateError(RuntimeError):
@@ -97,36 +91,22 @@ class WorkerGroup:
         death_watch: bool = True,
     ) -> None:
         self.spec = spec
-        self.log_dir: Optional[Path] = Path(log_dir) if log_dir is not None else None
-        self._console = console
+        self._logs = GroupLogs(spec, Path(log_dir) if log_dir is not None else None, console)
         self._subreaper = subreaper
         self._subreaper_held = False
         self._sessions = WorkerSessions(death_watch)
-        self._server = preload_server
-        self._own_server = preload_server is None
-        self._preload_modules = preload_modules
-        self._mp_forkserver = False
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self._starter = WorkerStarter(spec, preload_server, preload_modules)
+        self._exits = ExitWatch()
         self._workers: dict[int, WorkerProcess] = {}
-        self._logs: dict[int, RankLogs] = {}
         self._results: dict[int, WorkerResult] = {}
-        self._pump: Optional[LogPump] = None
-        self._pumps: list[LogPump] = []  # one per replacement worker (see respawn)
         self._extra_env: dict[str, str] = {}
-        self._standby = False  # respawn promotes the preload server's standby (keep_standby)
         self.from_standby: list[int] = []  # pids of replacements that were the standby
         self.replaced: list[WorkerResult] = []
         self._assignment: Optional[Assignment] = None
-        self._run_id: Optional[str] = None
-        self.run_log_dir: Optional[Path] = None
         self.attempt: Optional[int] = None
-        self.attempt_dir: Optional[Path] = None
         self._open = False
         self._stopping = False
         self._closed = False
-        self._pending_wake = False
         self._interrupted = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -139,8 +119,7 @@ class WorkerGroup:
             acquire_subreaper()
             self._subreaper_held = True
         self._sessions.start()
-        if self.spec.start_method == "preload":
-            self._preload_server().start()
+        self._starter.prepare()
 
     def start(self, attempt: int, assignment: Assignment,
               extra_env: Optional[dict[str, str]] = None) -> None:
@@ -158,33 +137,24 @@ class WorkerGroup:
         spec = self.spec
         assignment.check(spec.local_world_size)
         self.prepare()
-        if spec.logs_specs is None:  # else the LogsSpecs decides (_open_logs)
-            if self.log_dir is None:
-                # Logs are the record of a failure: a default dir is created and deliberately kept.
-                self.log_dir = Path(tempfile.mkdtemp(prefix="elastictk_"))
-            if self.run_log_dir is None or assignment.run_id != self._run_id:
-                self.run_log_dir = claim_run_dir(self.log_dir, assignment.run_id)
-                self._run_id = assignment.run_id
-            self.attempt_dir = make_attempt_dir(self.run_log_dir, attempt)
+        self._logs.begin(attempt, assignment)
         self.attempt, self._assignment = attempt, assignment
-        self._workers, self._logs, self._results = {}, {}, {}
+        self._workers, self._results = {}, {}
         self._extra_env = dict(extra_env or {})
         self.replaced = []
         self._stopping = False
         self._open = True
         try:
-            pump, envs = self._open_logs(range(spec.local_world_size), self.attempt_dir)
-            self._pump = pump
-            pump.start()
+            envs = self._logs.open(assignment, range(spec.local_world_size), self._extra_env)
             for lr in range(spec.local_world_size):
                 if self._interrupted:
                     raise StartInterrupted(f"interrupted after {lr} of {spec.local_world_size} "
                                            "workers had started; they were stopped")
                 w = self._workers[lr] = self._start_one(lr, envs[lr])
-                self._logs[lr].close_child_ends()
+                self._logs.ranks[lr].close_child_ends()
                 self._register(w)
         except BaseException:
-            for logs in self._logs.values():
+            for logs in self._logs.ranks.values():
                 logs.close_child_ends()
             self.stop(grace=0)
             raise
@@ -205,17 +175,11 @@ class WorkerGroup:
 
         self._assignment = replace(self._assignment, restart_count=restart_count)
         self.replaced.append(self._results.pop(local_rank))
-        sub = None
-        if self.spec.logs_specs is None:
-            assert self.attempt_dir is not None
-            sub = self.attempt_dir / tag
-            make_private_dir(sub, exist_ok=True)
-        pump, envs = self._open_logs([local_rank], sub, replacement=True)
-        self._pumps.append(pump)
-        logs, env = self._logs[local_rank], envs[local_rank]
-        pump.start()
+        env = self._logs.open(self._assignment, [local_rank], self._extra_env, tag)[local_rank]
+        logs = self._logs.ranks[local_rank]
         try:
-            w = self._workers[local_rank] = self._start_one(local_rank, env, standby=self._standby)
+            w = self._workers[local_rank] = self._start_one(local_rank, env,
+                                                            standby=self._starter.standby)
         finally:
             logs.close_child_ends()
         self._register(w)
@@ -228,53 +192,7 @@ class WorkerGroup:
         (no fork, no process start; see ``forkserver``); False where workers do not fork
         from a preload server. The standby is no worker: not in ``pids``, not a rank."""
         self._check_not_closed()
-        if self.spec.start_method != "preload":
-            return False
-        recipe: dict[str, object] = {"cwd": os.getcwd()}
-        target = None if self.spec.is_function else parse_python_argv(self.spec.argv(0))
-        if target is not None:  # what the standby may import ahead (forkwarm.prewarm)
-            recipe.update(kind=target.kind, target=target.target)
-        self._preload_server().keep_standby(recipe)
-        self._standby = True
-        return True
-
-    def _open_logs(self, ranks: Sequence[int], where: Optional[Path], replacement: bool = False
-                   ) -> tuple[LogPump, dict[int, dict[str, str]]]:
-        """Open the logs of ``ranks`` (into ``self._logs``) under ``where`` in elastictk's layout,
-        or where the spec's ``logs_specs`` says; returns their pump and their environments."""
-        spec, a = self.spec, self._assignment
-        assert a is not None
-
-        def env(lr: int, error_file: Optional[str], base: dict[str, str],
-                extra: Optional[dict[str, str]]) -> dict[str, str]:
-            return worker_env(a, role=spec.role, local_rank=lr, local_world_size=spec.local_world_size,
-                              error_file=error_file, base_env=base, extra=extra,
-                              virtual_local_rank=spec.virtual_local_rank)
-
-        base, extra = dict(os.environ), {**spec.env, **self._extra_env}
-        envs: dict[int, dict[str, str]] = {}
-        if spec.logs_specs is None:
-            assert where is not None and self.attempt_dir is not None
-            pump = LogPump(*self._console, filters=line_filters(spec, self.attempt_dir))
-            with _closed_on_error(pump):
-                for lr in ranks:
-                    logs = self._logs[lr] = open_rank_logs(spec, where, lr, a.global_rank(lr), pump)
-                    envs[lr] = env(lr, logs.error_file, base, extra)
-            return pump, envs
-        # torch's reify sees torch's variables only, for every local rank, and may change them
-        visible = {k: base[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in base}  # as torch's envs
-        dest = reify(spec.logs_specs, {lr: env(lr, None, visible, None)
-                                       for lr in range(spec.local_world_size)})
-        if not replacement:
-            self.attempt_dir = dest.attempt_dir
-            self.run_log_dir = dest.run_dir or Path(str(getattr(spec.logs_specs, "root_log_dir", os.devnull)))
-        pump = LogPump(*self._console, filters=reified_filters(spec, dest))
-        with _closed_on_error(pump):
-            for lr in ranks:
-                logs = self._logs[lr] = open_reified_rank_logs(spec, dest, lr, a.global_rank(lr),
-                                                               pump, append=replacement)
-                envs[lr] = {**env(lr, logs.error_file, base, extra), **dest.env[lr]}
-        return pump, envs
+        return self._starter.keep_standby()
 
     def reassign(self, assignment: Assignment, extra_env: Optional[dict[str, str]] = None) -> None:
         """Nodes joined or left while the workers kept running (in-place): later replacements
@@ -290,63 +208,40 @@ class WorkerGroup:
         """Watch a started worker: its session, its death watch, its exit (pidfd) and its result
         pipe. The worker is held (alive or an unreaped zombie), so its start time is its own."""
         self._sessions.add(w.pid)
-        self._sel.register(w.exit_fd(), selectors.EVENT_READ, ("exit", w))
-        fd = w.result_fd()
-        if fd is not None:
-            self._sel.register(fd, selectors.EVENT_READ, ("result", w))
+        self._exits.add(w)
 
     def _start_one(self, local_rank: int, env: dict[str, str], standby: bool = False) -> WorkerProcess:
-        spec, logs = self.spec, self._logs[local_rank]
-        method = spec.start_method
-        if method == "subprocess":
-            return start_subprocess(local_rank, spec.argv(local_rank), env, logs, spec.death_signal)
-        if method == "preload":
-            server = self._preload_server()
-            if spec.is_function:
-                return start_preloaded(local_rank, server, env, logs, spec.death_signal,
-                                       fn=spec.entrypoint,  # type: ignore[arg-type]
-                                       args=spec.rank_args(local_rank), sys_path=sys.path,
-                                       standby=standby)
-            target = parse_python_argv(spec.argv(local_rank))
-            return start_preloaded(local_rank, server, env, logs, spec.death_signal, target=target,
-                                   standby=standby)
-        import torch.multiprocessing as tmp  # lazily: only function workers need torch here
-
-        if method == "forkserver" and not self._mp_forkserver:
-            acquire_mp_forkserver()
-            self._mp_forkserver = True
-        return start_multiprocessing(
-            local_rank, tmp.get_context(method), spec.entrypoint,  # type: ignore[arg-type]
-            spec.rank_args(local_rank), env, logs, spec.death_signal,
-            self._private_fds(exclude_rank=local_rank))
-
-    def _preload_server(self) -> PreloadServer:
-        if self._server is None:
-            modules = DEFAULT_PRELOAD if self._preload_modules is None else self._preload_modules
-            self._server = PreloadServer(preload=modules)
-        return self._server
+        return self._starter.start(local_rank, env, self._logs.ranks[local_rank],
+                                   lambda: self._private_fds(exclude_rank=local_rank), standby)
 
     def _private_fds(self, exclude_rank: int) -> list[int]:
         """The agent's own fds, which a fork-started worker closes first (a sibling's tee pipe
         held open by this worker would delay that sibling's EOF)."""
-        fds = [self._wake_r, self._wake_w, self._sel.fileno()]
-        for lr, logs in self._logs.items():
-            if lr != exclude_rank:
-                fds += logs.owned_fds()
-        if self._pump is not None:
-            fds += self._pump.fds()
-        for pump in self._pumps:
-            fds += pump.fds()
+        fds = self._exits.fds() + self._logs.fds(exclude_rank)
         watch_fd = self._sessions.watch_fd()
         if watch_fd is not None:
             fds.append(watch_fd)
-        if self._server is not None and self._server.fileno() is not None:
-            fds.append(self._server.fileno())  # type: ignore[arg-type]
+        fds += self._starter.fds()
         for w in self._workers.values():
             fds += w.private_fds()
         return fds
 
     # -- watching --------------------------------------------------------------------------
+
+    @property
+    def log_dir(self) -> Optional[Path]:
+        """The root of the per-run log tree (a new kept temp dir once started without one)."""
+        return self._logs.log_dir
+
+    @property
+    def run_log_dir(self) -> Optional[Path]:
+        """This run's directory under ``log_dir`` (or the ``logs_specs``'s); None before a start."""
+        return self._logs.run_log_dir
+
+    @property
+    def attempt_dir(self) -> Optional[Path]:
+        """The open (or last) attempt's log directory; None before a start."""
+        return self._logs.attempt_dir
 
     @property
     def death_watch_pid(self) -> Optional[int]:
@@ -376,13 +271,7 @@ class WorkerGroup:
 
     def wake(self) -> None:
         """Make a blocked ``wait_any`` return now. Safe from any thread or signal handler."""
-        fd = self._wake_w
-        if fd < 0:
-            return  # closed: a late watch thread must not write into a reused fd number
-        try:
-            os.write(fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass
+        self._exits.wake()
 
     def wait_any(self, timeout: Optional[float] = None) -> list[WorkerResult]:
         """Block until at least one worker exits, ``wake()`` is called, or ``timeout`` passes.
@@ -390,8 +279,7 @@ class WorkerGroup:
         Returns the results of workers whose exit was observed in this call (possibly several,
         possibly none on wake-up or timeout). Returns at once when nothing is running.
         """
-        if self._pending_wake:  # a wake() that arrived during wait() or stop()
-            self._pending_wake = False
+        if self._exits.take_pending_wake():  # a wake() that arrived during wait() or stop()
             return []
         return self._dispatch(None if timeout is None else time.monotonic() + timeout,
                               stop_on_first=True)
@@ -405,34 +293,10 @@ class WorkerGroup:
 
     def _dispatch(self, deadline: Optional[float], *, stop_on_first: bool,
                   ignore_wake: bool = False) -> list[WorkerResult]:
-        new: list[WorkerResult] = []
-        while self.running:
-            self._sessions.sweep()
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            remaining = SWEEP_EVERY if remaining is None else min(remaining, SWEEP_EVERY)
-            woke = False
-            for key, _ in self._sel.select(remaining):
-                kind, w = key.data
-                if kind == "wake":
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    woke = not ignore_wake
-                    self._pending_wake = self._pending_wake or ignore_wake
-                elif w.local_rank in self._results:
-                    continue  # finished earlier in this batch; its fds are unregistered
-                elif kind == "result":
-                    if w.take_result():
-                        self._sel.unregister(key.fd)
-                elif self._exited(w):
-                    new.append(self._finish(w))
-            if new and stop_on_first or woke:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        return new
+        return self._exits.wait(deadline, running=lambda: bool(self.running),
+                                sweep=self._sessions.sweep,
+                                on_exit=lambda w: self._finish(w) if self._exited(w) else None,
+                                stop_on_first=stop_on_first, ignore_wake=ignore_wake)
 
     def _exited(self, w: WorkerProcess) -> bool:
         """Its exit fd is readable: pin what is left of its session while the worker is still a
@@ -445,16 +309,11 @@ class WorkerGroup:
         return True
 
     def _finish(self, w: WorkerProcess) -> WorkerResult:
-        for fd in (w.exit_fd(), w.result_fd()):
-            if fd is not None and fd >= 0:
-                try:
-                    self._sel.unregister(fd)
-                except KeyError:
-                    pass
+        self._exits.drop(w)
         w.close()  # a preload worker's status pipe: the fork server reaps it now
         release_child(w.pid)
         assert self._assignment is not None and self.attempt is not None
-        logs = self._logs[w.local_rank]
+        logs = self._logs.ranks[w.local_rank]
         a = self._assignment
         result = WorkerResult(
             local_rank=w.local_rank, rank=a.global_rank(w.local_rank),
@@ -497,38 +356,15 @@ class WorkerGroup:
         self._stopping = True
         # Replaced workers' sessions too: what they left behind dies with the attempt, as far as
         # it is proven to be theirs (TrackedSession); their old ids are never signalled.
-        sessions = self._sessions.all()
-        deadline = time.monotonic() + grace
-        if grace > 0:
-            tree = signal_trees(sessions, sig)
-            if sig != signal.SIGCONT:
-                # A frozen worker (SIGSTOP, a fault, a debugger) acts on the signal only once
-                # it runs again; without this it would sit out the whole grace period.
-                for session in sessions:
-                    session.signal(signal.SIGCONT)
-            self._dispatch(deadline, stop_on_first=False, ignore_wake=True)
-            wait_gone(tree, max(0.0, deadline - time.monotonic()))
-        signal_trees(sessions, signal.SIGKILL)
-        self._dispatch(time.monotonic() + _KILL_WAIT, stop_on_first=False, ignore_wake=True)
-        # A last sweep: descendants orphaned while we were killing their parents.
-        leftovers = signal_trees(sessions, signal.SIGKILL)
-        wait_gone(leftovers, _KILL_WAIT)
-        reap_orphans()  # workers are reaped by their own objects (claimed)
+        escalate(self._sessions.all(), sig, grace,
+                 lambda deadline: self._dispatch(deadline, stop_on_first=False, ignore_wake=True))
         stuck = self.running
         if stuck:  # only a process in uninterruptible sleep survives SIGKILL this long
-            print(f"elastictk: local ranks {stuck} did not exit {_KILL_WAIT:.0f}s after SIGKILL "
+            print(f"elastictk: local ranks {stuck} did not exit {KILL_WAIT:.0f}s after SIGKILL "
                   "(uninterruptible sleep?); giving up on them", file=sys.stderr)
             for lr in stuck:
-                w = self._workers[lr]
-                for fd in (w.exit_fd(), w.result_fd()):
-                    if fd is not None and fd >= 0 and fd in self._sel.get_map():
-                        self._sel.unregister(fd)
-        if self._pump is not None:
-            self._pump.close(_PUMP_DRAIN)
-            self._pump = None
-        for pump in self._pumps:
-            pump.close(_PUMP_DRAIN)
-        self._pumps = []
+                self._exits.drop(self._workers[lr])
+        self._logs.close_pumps(_PUMP_DRAIN)
         for w in self._workers.values():
             w.close()
             if w.returncode is not None:
@@ -547,23 +383,11 @@ class WorkerGroup:
         finally:
             self._closed = True
             self._sessions.close()
-            if self._server is not None and self._own_server:
-                self._server.close()
-            elif self._server is not None and self._standby:
-                try:  # a shared server: this group's standby goes with the group
-                    self._server.drop_standby()
-                except ForkServerError:
-                    pass  # the server is gone, and its standby with it
-            if self._mp_forkserver:
-                release_mp_forkserver()
-                self._mp_forkserver = False
+            self._starter.close()
             if self._subreaper_held:
                 release_subreaper()
                 self._subreaper_held = False
-            self._sel.close()
-            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
-            os.close(wake_r)
-            os.close(wake_w)
+            self._exits.close()
 
     def _check_not_closed(self) -> None:
         if self._closed:

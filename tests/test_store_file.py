@@ -23,7 +23,8 @@ import pytest
 from elastictk.store import FileStore, StoreClosed, StoreError, StoreTimeout
 from elastictk.store import file as file_mod
 from elastictk.store._inotify import IN_MOVED_TO, open_watch
-from elastictk.store.file import lock_stripe
+from elastictk.store.filekeys import key_file, lock_stripe
+from elastictk.store.filesafe import TEMP_MAX_AGE
 from tests.helpers.store_contract import StoreContract
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,7 +236,7 @@ def test_leftover_temp_files_are_invisible_and_collected(store: FileStore) -> No
     stale, fresh = root / "t.999999.dead", root / "t.999999.live"
     for f in (stale, fresh):
         f.write_bytes(b"partial")
-    old = time.time() - 10 * file_mod.TEMP_MAX_AGE
+    old = time.time() - 10 * TEMP_MAX_AGE
     os.utime(stale, (old, old))
     assert store.keys() == []
     with FileStore(store.path) as again:
@@ -273,7 +274,7 @@ def _get_in_thread(store: FileStore, key: str, fifo: Path | None = None) -> Base
 @pytest.mark.parametrize("plant", ["fifo", "symlink", "directory", "device"])
 def test_a_non_regular_file_planted_as_a_key_is_a_clear_error(
         store: FileStore, tmp_path: Path, plant: str) -> None:
-    target = Path(store.path) / file_mod.key_file("rank/0")
+    target = Path(store.path) / key_file("rank/0")
     outside = tmp_path / "outside"
     outside.write_bytes(b"not the store's")
     if plant == "fifo":
@@ -495,7 +496,7 @@ CRASHER = """
 FRESH = """
     import sys
     from elastictk.store import FileStore
-    from elastictk.store.file import LOCK_STRIPES, lock_stripe
+    from elastictk.store.filekeys import LOCK_STRIPES, lock_stripe
     s = FileStore(sys.argv[1], timeout=5)
     by_stripe = {}
     i = 0

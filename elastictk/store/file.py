@@ -2,16 +2,17 @@
 
 A single-host job, or a cluster whose nodes share an NFS mount, can rendezvous through plain
 files: there is no process whose death takes the store down, so the store must stay correct when
-*any* participant is SIGKILLed in the middle of *any* operation. The layout makes that hold:
+*any* participant is SIGKILLed in the middle of *any* operation. The layout makes that hold
+(file names and framing: ``filekeys``; the file operations: ``filesafe``):
 
 - One file per key, ``k.<percent-escaped key>`` (keys may contain ``/``; a key too long for a
   file name lives in ``h.<sha256>`` with the key stored in front of the value).
 - Every write goes to a private temp file ``t.<pid>.<random>``, is fsynced, then ``os.replace``\\ d
   over the key file: readers see the old value or the new one, never part of one, and need no
   lock. A writer killed before the rename leaves only a temp file, which never shows up as a key
-  and is removed once it is older than :data:`TEMP_MAX_AGE`.
+  and is removed once it is older than ``filesafe.TEMP_MAX_AGE``.
 - Writes and read-modify-writes (``set``, ``add``, ``compare_set``, ``delete``) hold an
-  exclusive ``flock`` on one of :data:`LOCK_STRIPES` lock files, picked by a hash of the key, so
+  exclusive ``flock`` on one of ``filekeys.LOCK_STRIPES`` lock files, picked by a hash of the key, so
   processes working on different keys rarely serialize. The kernel drops a ``flock`` when its
   holder dies, so a killed participant never leaves a stale lock; an ``add`` that returned has
   renamed its new value into place, so it is never lost.
@@ -28,59 +29,20 @@ error, never followed and never waited on.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import os
-import secrets
-import stat
 import time
 import weakref
-import zlib
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
-from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 from .._paths import owner_problem
 from . import _inotify
-from .base import DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError, StoreTimeout
+from .base import DEFAULT_TIMEOUT, Deadline, Store, StoreClosed, StoreError
+from .filekeys import HASHED, key_file, key_of, names_prefix
+from .filesafe import TEMP_MAX_AGE, DirFiles, collect_temp, exists
 
-LOCK_STRIPES = 64
-"""How many lock files the keys are spread over (by CRC-32 of the key)."""
-TEMP_MAX_AGE = 60.0
-"""Seconds after which a temp file is taken to be left by a killed writer and removed."""
 POLL_CAP = 0.05
 """Longest pause between re-checks while waiting, so NFS writers from other hosts are seen."""
-
-_KEY, _HASHED, _TEMP, _LOCK = "k.", "h.", "t.", "lock."
-_MAX_NAME = 240  # below NAME_MAX (255) on every filesystem elastictk runs on
-_LEN_BYTES = 4  # big-endian length of the key in front of a hashed file's value
-# A planted symlink fails to open (ELOOP); a planted FIFO or device opens without blocking, and
-# fstat then refuses it.
-_SAFE_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-def _key_bytes(key: str) -> bytes:
-    return key.encode("utf-8", "surrogatepass")
-
-
-def key_file(key: str) -> str:
-    """The file name that holds ``key``.
-
-    Percent-escaping is a prefix code (``%`` itself is escaped), so a name starts with the
-    escaped prefix exactly when the key starts with the prefix: ``keys(prefix)`` filters names
-    without decoding them.
-    """
-    escaped = quote_from_bytes(_key_bytes(key), safe="")
-    if len(escaped) <= _MAX_NAME:
-        return _KEY + escaped
-    return _HASHED + hashlib.sha256(_key_bytes(key)).hexdigest()
-
-
-def lock_stripe(key: str) -> int:
-    """Which lock file guards ``key``; stable across processes and hosts."""
-    return zlib.crc32(_key_bytes(key)) % LOCK_STRIPES
-
 
 class _Handles:
     """The fds a store holds, closable from a finalizer without keeping the store alive."""
@@ -120,11 +82,12 @@ class FileStore(Store):
         self.default_timeout = timeout
         self.durable = durable
         self.use_watch = watch
+        self._files = DirFiles(self.path, self.describe())
         self._handles = _Handles(self._open_dir())
         self._finalizer = weakref.finalize(self, self._handles.close)
         self._next_gc = 0.0
         try:  # fail now, with one clear line, where the directory is not writable
-            os.close(self._lock_fd(0))
+            os.close(self._files.lock_fd(self._dir, 0))
             self._collect_temp(os.listdir(self._dir))
         except StoreError:
             self.close()
@@ -191,164 +154,29 @@ class FileStore(Store):
                 "directory still exists, is writable and its filesystem is not full"
             ) from None
 
-    def _lock_fd(self, stripe: int) -> int:
-        name = f"{_LOCK}{stripe:02d}"
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | _SAFE_OPEN, 0o600, dir_fd=self._dir)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise self._not_regular(name, None, "a symlink") from None
-            raise
-        self._check_regular(fd, name, None)
-        return fd
-
-    def _check_regular(self, fd: int, name: str, key: str | None) -> None:
-        """Close ``fd`` and raise unless it is a regular file."""
-        try:
-            mode = os.fstat(fd).st_mode
-        except BaseException:
-            os.close(fd)
-            raise
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-            raise self._not_regular(name, key, kind)
-
-    def _not_regular(self, name: str, key: str | None, kind: str) -> StoreError:
-        of = f" of key {key!r}" if key is not None else ""
-        return StoreError(
-            f"{name}{of} in {self.describe()} is {kind}, not a regular file: something other than "
-            f"elastictk put it there; remove it (and check who can write {self.path})")
-
-    def _open_key(self, dir_fd: int, key: str | None, name: str) -> int:
-        """Open a key file for reading: regular files only, symlinks never followed."""
-        try:
-            fd = os.open(name, os.O_RDONLY | _SAFE_OPEN, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise self._not_regular(name, key, "a symlink") from None
-            raise
-        self._check_regular(fd, name, key)
-        return fd
-
-    @contextmanager
-    def _locked(self, key: str) -> Iterator[None]:
-        """Hold the key's stripe lock. Polls with a short backoff, so it can time out: a holder
-        that is stopped (SIGSTOP) or a hung filesystem gives an error, not a hang."""
-        fd = self._lock_fd(lock_stripe(key))
-        try:
-            deadline = Deadline(self.default_timeout)
-            pause = 0.0002
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline.expired():
-                        raise StoreTimeout(
-                            f"timed out after {self.default_timeout:g}s waiting for the lock on "
-                            f"key {key!r} in {self.describe()}; another participant holds it "
-                            "(stopped, or the filesystem hangs): resume or kill it"
-                        ) from None
-                    time.sleep(min(pause, deadline.remaining() or 0.0))
-                    pause = min(pause * 2, 0.005)
-            yield
-        finally:
-            os.close(fd)  # also releases the lock
-
-    def _read(self, dir_fd: int, key: str, name: str) -> bytes | None:
-        data = b""
-        for attempt in range(3):
-            try:
-                fd = self._open_key(dir_fd, key, name)
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                if e.errno == errno.ESTALE and attempt < 2:  # NFS: replaced under our feet
-                    continue
-                raise
-            try:
-                chunks = []
-                while chunk := os.read(fd, 1 << 20):
-                    chunks.append(chunk)
-                data = b"".join(chunks)
-                break
-            except OSError as e:
-                if e.errno == errno.ESTALE and attempt < 2:
-                    continue
-                raise
-            finally:
-                os.close(fd)
-        if name.startswith(_HASHED):
-            kb = _key_bytes(key)
-            n = int.from_bytes(data[:_LEN_BYTES], "big")
-            if data[_LEN_BYTES:_LEN_BYTES + n] != kb:
-                raise StoreError(f"{name} in {self.describe()} does not hold key {key!r}")
-            data = data[_LEN_BYTES + n:]
-        return data
-
-    def _write(self, dir_fd: int, key: str, name: str, value: bytes) -> None:
-        if name.startswith(_HASHED):
-            kb = _key_bytes(key)
-            value = len(kb).to_bytes(_LEN_BYTES, "big") + kb + value
-        while True:
-            tmp = f"{_TEMP}{os.getpid()}.{secrets.token_hex(8)}"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-            try:
-                view = memoryview(value)
-                while view:
-                    view = view[os.write(fd, view):]
-                if self.durable:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _unlink_quietly(tmp, dir_fd)
-                raise
-            os.close(fd)
-            try:
-                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except FileNotFoundError:
-                continue  # collected as stale by a peer with a skewed clock: write it again
-            if self.durable:
-                os.fsync(dir_fd)  # the rename itself survives a power loss
-            return
-
-    def _exists(self, dir_fd: int, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-
     def _collect_temp(self, names: list[str]) -> None:
         """Remove temp files old enough to have been left by a killed writer."""
-        now = time.time()
         self._next_gc = time.monotonic() + TEMP_MAX_AGE / 2
-        for name in names:
-            if not name.startswith(_TEMP):
-                continue
-            try:
-                if now - os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mtime > TEMP_MAX_AGE:
-                    os.unlink(name, dir_fd=self._dir)
-            except FileNotFoundError:
-                pass
+        collect_temp(self._dir, names)
+
+    @contextmanager
+    def _locked(self, dir_fd: int, key: str) -> Iterator[None]:
+        with self._files.locked(dir_fd, key, self.default_timeout):
+            yield
 
     # -- the Store primitives ------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
-        with self._op("set", key) as d, self._locked(key):
-            self._write(d, key, key_file(key), bytes(value))
+        with self._op("set", key) as d, self._locked(d, key):
+            self._files.write(d, key, key_file(key), bytes(value), self.durable)
 
     def try_get(self, key: str) -> bytes | None:
         with self._op("get", key) as d:
-            return self._read(d, key, key_file(key))
+            return self._files.read(d, key, key_file(key))
 
     def add(self, key: str, amount: int) -> int:
         name = key_file(key)
-        with self._op("add", key) as d, self._locked(key):
-            current = self._read(d, key, name)
+        with self._op("add", key) as d, self._locked(d, key):
+            current = self._files.read(d, key, name)
             try:
                 value = int(current.decode("ascii")) if current is not None else 0
             except (UnicodeDecodeError, ValueError):
@@ -357,20 +185,20 @@ class FileStore(Store):
                     "decimal counter; use another key for the counter"
                 ) from None
             value += int(amount)
-            self._write(d, key, name, str(value).encode("ascii"))
+            self._files.write(d, key, name, str(value).encode("ascii"), self.durable)
             return value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes | None:
         name, exp = key_file(key), expected or b""
-        with self._op("compare_set", key) as d, self._locked(key):
-            current = self._read(d, key, name)
+        with self._op("compare_set", key) as d, self._locked(d, key):
+            current = self._files.read(d, key, name)
             if (not current) if not exp else current == exp:  # b"" also matches absent/empty
-                self._write(d, key, name, bytes(desired))
+                self._files.write(d, key, name, bytes(desired), self.durable)
                 return bytes(desired)
             return current
 
     def delete(self, key: str) -> bool:
-        with self._op("delete", key) as d, self._locked(key):
+        with self._op("delete", key) as d, self._locked(d, key):
             try:
                 os.unlink(key_file(key), dir_fd=d)
             except FileNotFoundError:
@@ -396,36 +224,25 @@ class FileStore(Store):
 
         def ready() -> bool:
             with self._op("wait") as d:
-                return all(self._exists(d, n) for n in names)
+                return all(exists(d, n) for n in names)
 
         self._await(ready, keys, self._timeout(timeout))
 
     def keys(self, prefix: str = "") -> list[str]:
-        want = _KEY + quote_from_bytes(_key_bytes(prefix), safe="")
+        want = names_prefix(prefix)
         out: list[str] = []
         with self._op("keys") as d:
             names = os.listdir(d)
             for name in names:
                 if name.startswith(want):
-                    out.append(unquote_to_bytes(name[len(_KEY):]).decode("utf-8", "surrogatepass"))
-                elif name.startswith(_HASHED):
-                    key = self._hashed_key(d, name)
+                    out.append(key_of(name))
+                elif name.startswith(HASHED):
+                    key = self._files.hashed_key(d, name)
                     if key is not None and key.startswith(prefix):
                         out.append(key)
             if time.monotonic() >= self._next_gc:
                 self._collect_temp(names)
         return out
-
-    def _hashed_key(self, dir_fd: int, name: str) -> str | None:
-        try:
-            fd = self._open_key(dir_fd, None, name)
-        except FileNotFoundError:
-            return None
-        try:
-            n = int.from_bytes(os.pread(fd, _LEN_BYTES, 0), "big")
-            return os.pread(fd, n, _LEN_BYTES).decode("utf-8", "surrogatepass")
-        finally:
-            os.close(fd)
 
     def clone(self) -> "FileStore":
         if self._handles.dir_fd < 0:
@@ -477,9 +294,3 @@ class FileStore(Store):
 def _reopen(path: str, timeout: float, durable: bool, watch: bool) -> FileStore:
     return FileStore(path, timeout, durable=durable, watch=watch)
 
-
-def _unlink_quietly(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass

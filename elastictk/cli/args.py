@@ -210,8 +210,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     parser.add_argument("--logs-specs", "--logs_specs", dest="logs_specs", default=None,
                         help="a LogsSpecs class by its torchrun.logs_specs entry-point name: "
                              "it decides where the workers' logs go")
-    for flags in _TORCH_NO_ENV:  # parsed only to be refused by name, not with "unrecognized"
-        parser.add_argument(*flags, dest=_dest(flags), default=None, help=argparse.SUPPRESS)
+    for flags in _TORCH_NO_ENV:  # torchrun's, no env fallback: CPU binding near each worker's GPU
+        parser.add_argument(*flags, dest=_dest(flags), default=None,
+                            choices=["node", "socket", "exclusive", "core-complex"],
+                            help="bind each worker to the CPUs near the GPU its LOCAL_RANK names "
+                                 "(torch.numa.binding's choice, as torchrun); needs CUDA")
     parser.add_argument("training_script", help="the script (or module, or program) to run")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
                         help="arguments passed on to the script")

@@ -73,7 +73,8 @@ def test_a_script_that_never_reloads_is_never_judged_ok_whatever_it_prints() -> 
     assert verdicts[0] == verdicts[1]  # what the script printed changes nothing
     assert not verdicts[0].ok and "#0 sigkill lost an unknown number of step(s)" in verdicts[0].detail
     text = creport.render(rows, creport.totals(rec, rows), verdicts)
-    assert "[BROKEN] " + CHECK in text and "unknown" in text.split("steps lost")[1].splitlines()[2]
+    assert verdicts[0].unknown and "[UNKNOWN] " + CHECK in text  # not judged: it does not pass
+    assert "unknown" in text.split("steps lost")[1].splitlines()[2]
 
 
 def test_numbered_steps_judge_a_resuming_script_ok_and_a_restart_from_zero_broken() -> None:
@@ -136,7 +137,8 @@ def test_end_to_end_a_script_printing_iter_lines_that_never_reloads_fails_the_ch
     r, data = _chaos(tmp_path, str(script), "iter")
     verdict = next(c for c in data["checks"] if c["name"] == CHECK)
     assert not verdict["ok"] and "unknown" in verdict["detail"], r.stdout + r.stderr[-2000:]
-    assert r.returncode == 1 and f"[BROKEN] {CHECK}" in r.stdout
+    assert r.returncode == 1 and f"[UNKNOWN] {CHECK}" in r.stdout
+    assert f"invariant not judged (it does not pass): {CHECK}" in r.stderr
 
 
 def test_end_to_end_a_resuming_script_passes_the_check(tmp_path: Path) -> None:

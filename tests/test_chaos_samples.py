@@ -166,7 +166,8 @@ def test_no_records_or_no_finished_epoch_is_unknown_and_says_why() -> None:
 
 def test_an_unknown_data_verdict_fails_the_reports_check() -> None:
     """The report's data check passes only on a verdict of True: a run whose only data record is
-    "off" (the dataset too big to record) has no evidence, so its check fails, shown [BROKEN]."""
+    "off" (the dataset too big to record) has no evidence, so its check fails, shown [UNKNOWN]
+    (not judged, which is not [ok] and not [BROKEN] either)."""
     from elastictk.chaos import report
     from elastictk.chaos.runner import RunRecord
     from elastictk.faults import plan_of
@@ -179,7 +180,7 @@ def test_an_unknown_data_verdict_fails_the_reports_check() -> None:
     (data,) = [c for c in checks if c.name == samples.NAME]
     assert not data.ok and data.detail.startswith("unknown: rank 0 recorded no batches")
     text = report.render(rows, report.totals(rec, rows), checks)
-    assert f"[BROKEN] {samples.NAME}: unknown" in text
+    assert data.unknown and f"[UNKNOWN] {samples.NAME}: unknown" in text
 
 
 # -- the worker side: what elastictk.data.DataLoader writes ---------------------------------

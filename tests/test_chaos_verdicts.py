@@ -9,6 +9,7 @@ data are one line each.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from pathlib import Path
 
@@ -137,3 +138,22 @@ def test_chaos_says_before_the_run_that_the_job_will_wait_for_nodes(tmp_path: Pa
         if said:
             assert "kills node(s) 1, 2 with no --rejoin: 1 node(s) will be left" in line[0]
             assert "join timeout (45s)" in line[0], line[0]
+
+
+def test_a_check_the_records_cannot_judge_reads_unknown_and_does_not_pass() -> None:
+    """An unknown loss fails the checkpoint check as [UNKNOWN]; a loss over the interval beside
+    it is [BROKEN] (a real failure outranks not knowing)."""
+    plan = plan_of([Fault.of("sigkill", "rank:1", at_step=2), Fault.of("sigkill", "rank:1", at_step=5)])
+    rows = [creport.FaultRow(i, "sigkill", "rank:1", f"step {s}", True, True, injected_at=1.0 + i,
+                             detected_after=0.1, running_after=0.2, lost_steps=lost, lost_why=why)
+            for i, (s, lost, why) in enumerate([(2, None, "no State.restore()"), (5, 1, None)])]
+    rec = RunRecord(argv=[], started=0.0, ended=9.0, exit_code=0)
+    ckpt = next(c for c in creport.check(plan, rec, rows, max_restarts=3, ckpt_every=1)
+                if c.name.startswith("progress lost"))
+    assert not ckpt.ok and ckpt.unknown and creport.label(ckpt) == "UNKNOWN", ckpt
+    rows[1] = dataclasses.replace(rows[1], lost_steps=4)
+    ckpt = next(c for c in creport.check(plan, rec, rows, max_restarts=3, ckpt_every=1)
+                if c.name.startswith("progress lost"))
+    assert not ckpt.ok and not ckpt.unknown and creport.label(ckpt) == "BROKEN", ckpt
+    snap = creport._snapshot_check(rows[:1], ("local",), 10)
+    assert not snap.ok and snap.unknown and "no State.restore()" in snap.detail

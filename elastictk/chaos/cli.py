@@ -381,7 +381,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(f"{PROG}: {'warning' if ns.allow_unfired else 'error'}: fault #{r.index} ({r.kind} on "
                   f"{r.target} at {r.planned}) did not fire: {r.why}", file=sys.stderr)
     for c in broken:
-        print(f"{PROG}: invariant broken: {c.name}: {c.detail}", file=sys.stderr)
+        said = "not judged (it does not pass)" if c.unknown else "broken"
+        print(f"{PROG}: invariant {said}: {c.name}: {c.detail}", file=sys.stderr)
     return 1 if broken else 0
 
 

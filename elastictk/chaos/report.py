@@ -51,9 +51,14 @@ class FaultRow:
 
 @dataclass(frozen=True)
 class Check:
+    """One invariant. ``unknown``: not judged, the records cannot tell (a loss no record shows,
+    data no loader recorded); it does not pass (``ok`` is False) and reads ``[UNKNOWN]``, not
+    ``[BROKEN]``: the job may be right, the run proved nothing about it."""
+
     name: str
     ok: bool
     detail: str
+    unknown: bool = False
 
 
 def launcher_flag(argv: list[str], flag: str) -> Optional[str]:
@@ -296,13 +301,14 @@ def check(plan: FaultPlan, rec: RunRecord, rows: list[FaultRow], *, max_restarts
         out.append(_snapshot_check(rows, snapshot, snapshot_every, snapshot_overlap))
     if rec.data:  # the job's DataLoader recorded its batches (elastictk/data/record.py)
         verdict = samples.judge(rec.data)
-        out.append(Check(samples.NAME, verdict.ok is True, verdict.detail))
+        out.append(Check(samples.NAME, verdict.ok is True, verdict.detail, unknown=verdict.ok is None))
     return out
 
 
 def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int, overlap: bool = False) -> Check:
     """Steps lost per fault <= the interval of the snapshot tier that survives the fault."""
-    over = _unknown_losses(rows)
+    unknown = _unknown_losses(rows)
+    over: list[str] = []
     for r in rows:
         if r.lost_steps is None:
             continue
@@ -318,8 +324,9 @@ def _snapshot_check(rows: list[FaultRow], tiers: tuple[str, ...], every: int, ov
     bounds = f"{1 + extra} step(s) (local memory{', pipelined' if overlap else ''})" if "local" in tiers else ""
     if "disk" in tiers:
         bounds += (", " if bounds else "") + f"{every + extra} steps (disk{', a lost agent' if bounds else ''})"
-    return Check("steps lost per fault <= the snapshot interval", not over,
-                 "; ".join(over) or f"at most {worst} step(s) lost, interval {bounds}")
+    return Check("steps lost per fault <= the snapshot interval", not (over or unknown),
+                 "; ".join(unknown + over) or f"at most {worst} step(s) lost, interval {bounds}",
+                 unknown=bool(unknown) and not over)
 
 
 def _unknown_losses(rows: list[FaultRow]) -> list[str]:
@@ -490,11 +497,14 @@ def _common(rec: RunRecord, rows: list[FaultRow], finished: bool, ckpt_every: Op
                      ", ".join(rec.leaked_shm + rec.leaked_ports) or "/dev/shm and listening ports as before"))
     if ckpt_every is not None:
         worst = max((r.lost_steps or 0 for r in rows), default=0)
-        bad = _unknown_losses(rows) + [f"#{r.index} {r.kind} lost {r.lost_steps} step(s)" for r in rows
-                                        if r.lost_steps is not None and r.lost_steps > ckpt_every]
+        unknown = _unknown_losses(rows)
+        over = [f"#{r.index} {r.kind} lost {r.lost_steps} step(s)" for r in rows
+                if r.lost_steps is not None and r.lost_steps > ckpt_every]
+        bad = unknown + over
         out.append(Check("progress lost per fault <= checkpoint interval", not bad,
                          ("; ".join(bad) + f" (interval {ckpt_every})") if bad else
-                         f"at most {worst} step(s) lost, interval {ckpt_every}"))
+                         f"at most {worst} step(s) lost, interval {ckpt_every}",
+                         unknown=bool(unknown) and not over))
     if expect_checksum is not None and finished:
         out.append(Check("result equals the fault-free run's", rec.checksum == expect_checksum,
                          f"checksum {rec.checksum} vs fault-free {expect_checksum}"))
@@ -623,6 +633,11 @@ def not_judged(tot: dict[str, Any]) -> list[str]:
     return out
 
 
+def label(c: Check) -> str:
+    """``ok``, ``UNKNOWN`` (not judged, does not pass) or ``BROKEN``."""
+    return "ok" if c.ok else "UNKNOWN" if c.unknown else "BROKEN"
+
+
 def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> str:
     # "fault to ...": from the injection, on the runner's clock; not the recovery's "detect"
     # phase (the worker's exit to the agent acting on it), which has its own column.
@@ -664,5 +679,5 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
     out += [f"  #{r.index} did not fire: {r.why}" for r in rows if not r.fired]
     out += not_judged(tot)
     out.append("")
-    out += [f"  [{'ok' if c.ok else 'BROKEN'}] {c.name}: {c.detail}" for c in checks]
+    out += [f"  [{label(c)}] {c.name}: {c.detail}" for c in checks]
     return "\n".join(out)

@@ -21,15 +21,9 @@ from elastictk.cli import parse_args
 from elastictk.cli.values import UsageError
 from elastictk.store import EndpointError, EtcdStore, StoreError, StoreUnreachable
 from elastictk.store.etcd import parse_endpoints_and_scheme, tls_context
-from elastictk.testing.etcd import (
-    EtcdCluster,
-    EtcdNotInstalled,
-    EtcdServer,
-    OpensslNotInstalled,
-    TestCerts,
-    find_etcd,
-    make_test_certs,
-)
+from elastictk.testing.etcd import EtcdNotInstalled, EtcdServer, find_etcd
+from elastictk.testing.etcdcluster import EtcdCluster
+from elastictk.testing.testcerts import OpensslNotInstalled, TestCerts, make_test_certs
 from tests.helpers.store_contract import StoreContract
 
 REPO = Path(__file__).resolve().parents[1]

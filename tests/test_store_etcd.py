@@ -32,7 +32,8 @@ from elastictk.store import (
 )
 from elastictk.store.base import _BACKOFF_CAP, _BACKOFF_FIRST, Backoff
 from elastictk.store.etcd import LeaseExpired, parse_endpoints, range_end
-from elastictk.testing.etcd import EtcdCluster, EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
+from elastictk.testing.etcd import EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
+from elastictk.testing.etcdcluster import EtcdCluster
 from tests.helpers.store_contract import StoreContract
 
 REPO = Path(__file__).resolve().parents[1]

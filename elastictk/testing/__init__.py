@@ -6,7 +6,8 @@ with the thread that started it (``PR_SET_PDEATHSIG``), so a SIGKILLed test run 
 """
 from __future__ import annotations
 
-from .etcd import EtcdCluster, EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
+from .etcd import EtcdNotInstalled, EtcdServer, EtcdStartError, find_etcd
+from .etcdcluster import EtcdCluster
 from .prometheus import PrometheusError, PrometheusNotInstalled, PrometheusServer, find_prometheus
 
 __all__ = [

@@ -6,29 +6,24 @@ stopped and started again on the same ports and data (a store outage that heals,
 "store-outage" fault and failover tests need). The process dies with its owner: it is started
 with ``PR_SET_PDEATHSIG`` = SIGKILL, so a SIGKILLed test run leaves no etcd behind.
 
-:class:`EtcdCluster` starts several members that form one cluster, for failover between
-members of the same data.
+:class:`EtcdCluster` (``etcdcluster``) starts several of them as one cluster.
 
-TLS mode: :func:`make_test_certs` makes a throwaway CA, a server certificate for the loopback
-address and a client certificate with the ``openssl`` command; ``EtcdServer(tls=certs)`` then
-serves its client port over HTTPS and requires a client certificate signed by that CA
+TLS mode: ``EtcdServer(tls=certs)`` (certificates from ``testcerts.make_test_certs``) serves
+its client port over HTTPS and requires a client certificate signed by that CA
 (``--cert-file --key-file --trusted-ca-file --client-cert-auth``). Peers stay on plain HTTP,
 loopback only.
 """
 from __future__ import annotations
 
 import http.client
-import ipaddress
 import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -37,16 +32,13 @@ from ..lifetime.reaper import dies_with_caller
 from ..store.base import Deadline
 from ..store.endpoint import Endpoint, free_port
 from .binary import find_binary
+from .testcerts import TestCerts
 
 INSTALL_HINT = (
     "install it with `apt-get install etcd-server` (etcd 3.4+), or point ELASTICTK_ETCD at an "
     "etcd binary"
 )
 # Resolved once here, so the forked child (before exec) only calls it: no dlopen, no lookup.
-
-
-class OpensslNotInstalled(RuntimeError):
-    """No ``openssl`` command to make test certificates with; the message says how to get it."""
 
 
 class EtcdNotInstalled(RuntimeError):
@@ -61,97 +53,6 @@ def find_etcd(binary: str | os.PathLike[str] | None = None) -> str:
     """The etcd binary to run: ``binary``, else ``$ELASTICTK_ETCD``, else ``etcd`` on PATH,
     else ``/usr/bin/etcd``."""
     return find_binary("etcd", "ELASTICTK_ETCD", binary, EtcdNotInstalled, INSTALL_HINT)
-
-
-@dataclass(frozen=True)
-class TestCerts:
-    """PEM files of a throwaway CA, an etcd server certificate and a client certificate."""
-
-    __test__ = False  # not a pytest test class
-
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-    def client_context(self) -> ssl.SSLContext:
-        """An :class:`ssl.SSLContext` trusting the CA and presenting the client certificate."""
-        from ..store.etcd import tls_context
-
-        return tls_context(self.ca, self.client_cert, self.client_key)
-
-    def rdzv_conf(self) -> str:
-        """The ``--rdzv-conf`` keys that make ``elastictk-run`` use these files."""
-        return f"cacert={self.ca},cert={self.client_cert},key={self.client_key}"
-
-
-def _openssl(*args: str | Path, cwd: Path) -> None:
-    exe = shutil.which("openssl")
-    if exe is None:
-        raise OpensslNotInstalled(
-            "no openssl command on PATH to make test certificates; install it with "
-            "`apt-get install openssl`"
-        )
-    r = subprocess.run([exe, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=60)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        raise RuntimeError(f"openssl {args[0]} failed (exit {r.returncode}): {last}")
-
-
-_EC = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-
-
-def make_test_certs(directory: str | os.PathLike[str], *, host: str = "127.0.0.1",
-                    days: int = 2) -> TestCerts:
-    """A fresh CA in ``directory`` and, signed by it, a server certificate for ``host`` (an IP
-    address goes in the subjectAltName as ``IP:``, a name as ``DNS:``) and a client certificate.
-
-    Keys are unencrypted P-256, files mode 0600. For tests only: nothing here is a secret worth
-    keeping. :class:`OpensslNotInstalled` when there is no ``openssl`` command.
-    """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    _openssl("req", "-x509", *_EC, "-keyout", "ca.key", "-out", "ca.crt", "-days", str(days),
-             "-subj", f"/CN=elastictk test CA {tag}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-    kind = "IP" if _is_ip(host) else "DNS"
-    leaves = {
-        # clientAuth too: etcd's JSON gateway dials etcd's own gRPC port with this certificate,
-        # and with --client-cert-auth that connection is refused without it
-        "server": ("serverAuth,clientAuth", f"subjectAltName={kind}:{host}\n", host),
-        "client": ("clientAuth", "", f"elastictk test client {tag}"),
-    }
-    for name, (usage, san, cn) in leaves.items():
-        ext = d / f"{name}.ext"
-        ext.write_text(
-            f"{san}basicConstraints=critical,CA:FALSE\n"
-            "keyUsage=critical,digitalSignature,keyEncipherment\n"
-            f"extendedKeyUsage={usage}\nsubjectKeyIdentifier=hash\n"
-            "authorityKeyIdentifier=keyid\n"
-        )
-        _openssl("req", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={cn}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-set_serial", str(int(uuid.uuid4().int >> 64)), "-days", str(days),
-                 "-extfile", ext.name, "-out", f"{name}.crt", cwd=d)
-    for f in d.iterdir():
-        if f.suffix == ".key":
-            f.chmod(0o600)
-    return TestCerts(d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt",
-                     d / "client.key")
-
-
-def _is_ip(host: str) -> bool:
-    """Whether ``host`` is an IP address (it goes in a certificate as ``IP:``, not ``DNS:``)."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _last_error(log: Path) -> str:
@@ -392,63 +293,3 @@ class EtcdServer:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"EtcdServer({self.name!r}, {self.endpoint}, {state})"
-
-
-class EtcdCluster:
-    """``size`` members on loopback forming one etcd cluster; ``endpoints`` lists their clients.
-
-    ``tls``: every member's client port over HTTPS, as for :class:`EtcdServer`."""
-
-    def __init__(self, size: int = 3, *, host: str = "127.0.0.1",
-                 base_dir: str | os.PathLike[str] | None = None,
-                 binary: str | os.PathLike[str] | None = None,
-                 start_timeout: float = 60.0, tls: TestCerts | None = None) -> None:
-        if size < 1:
-            raise ValueError(f"an etcd cluster needs at least 1 member, not {size}")
-        ports: list[int] = []
-        while len(ports) < 2 * size:  # free_port may hand out the same port twice
-            p = free_port(host)
-            if p not in ports:
-                ports.append(p)
-        names = [f"etcd{i}" for i in range(size)]
-        initial = ",".join(
-            f"{n}=http://{Endpoint(host, ports[2 * i + 1])}" for i, n in enumerate(names)
-        )
-        token = f"elastictk-{uuid.uuid4().hex[:12]}"
-        self.members: list[EtcdServer] = []
-        try:
-            for i, n in enumerate(names):
-                self.members.append(EtcdServer(
-                    name=n, host=host, client_port=ports[2 * i], peer_port=ports[2 * i + 1],
-                    initial_cluster=initial, cluster_token=token, base_dir=base_dir,
-                    binary=binary, start_timeout=start_timeout, tls=tls,
-                ))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [m.endpoint for m in self.members]
-
-    def start(self) -> "EtcdCluster":
-        """Launch every member, then wait for each (a member is healthy once a quorum is up)."""
-        try:
-            for m in self.members:
-                m.launch()
-            for m in self.members:
-                m.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def close(self) -> None:
-        for m in self.members:
-            m.close()
-
-    def __enter__(self) -> "EtcdCluster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

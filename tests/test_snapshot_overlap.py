@@ -2,8 +2,10 @@
 step runs, the optimizer waits for the copy, and a tensor changed behind the optimizer's back
 drops the commit instead of publishing a mix of two steps.
 
-The background copy is slowed down (``Plan.write_tensors`` sleeps first) so that the optimizer's
-step certainly comes while it runs: what these tests judge then happens every time.
+The background copy is held back (``Plan.write_tensors`` waits for the test's ``go``, then
+sleeps) so that the optimizer's step certainly comes while it runs: what these tests judge then
+happens every time, on a loaded host too (a sleep alone was outrun when the main thread waited
+longer than it for a core).
 """
 from __future__ import annotations
 
@@ -36,12 +38,15 @@ def local_tier(monkeypatch: pytest.MonkeyPatch) -> Iterator[Holder]:
         yield h
 
 
-def slow_copy(monkeypatch: pytest.MonkeyPatch, order: list[str], delay: float = 0.3) -> None:
-    """The deferred copy starts ``delay`` s late and notes when it is done."""
+def slow_copy(monkeypatch: pytest.MonkeyPatch, order: list[str], delay: float = 0.3) -> threading.Event:
+    """The deferred copy starts once the returned event is set (the test's moment), ``delay`` s
+    later, and notes when it is done."""
     real = codec.Plan.write_tensors
+    go = threading.Event()
 
     def slow(self: codec.Plan, out: memoryview, indices: list[int]) -> None:
         if threading.current_thread() is not threading.main_thread():
+            assert go.wait(300), "the test never let the copy go"
             time.sleep(delay)
             real(self, out, indices)
             order.append("copied")
@@ -49,6 +54,7 @@ def slow_copy(monkeypatch: pytest.MonkeyPatch, order: list[str], delay: float = 
             real(self, out, indices)
 
     monkeypatch.setattr(codec.Plan, "write_tensors", slow)
+    return go
 
 
 def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,15 +85,17 @@ def clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_the_optimizer_waits_for_the_copy_and_the_snapshot_is_the_committed_state(
         local_tier: Holder, monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
-    slow_copy(monkeypatch, order)
+    go = slow_copy(monkeypatch, order)
     model, opt = model_and_opt()
     state = State(model=model, optimizer=opt, step=0, snapshot_overlap=True)
     train(model, opt)  # the optimizer has momentum from here on
     for _ in range(3):
+        go.clear()
         state.step += 1
         state.commit()
         assert order[-1:] != ["copied"]  # commit() returned before the copy was done
         committed = clone(model)
+        go.set()
         train(model, opt, order)  # forward/backward overlap the copy; the step waits for it
         state.flush()
         got = snapshot_of(state)
@@ -101,18 +109,21 @@ def test_without_the_gate_the_version_check_drops_the_commit_in_one_line(
         local_tier: Holder, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """The failing side of the gate: with its hook gone, the optimizer's step lands during the
     copy; the version check sees it, and the previous snapshot stays the newest."""
-    slow_copy(monkeypatch, [])
+    go = slow_copy(monkeypatch, [])
     monkeypatch.setattr(overlap.Gate, "_before_step", lambda *a: None)
     model, opt = model_and_opt()
     state = State(model=model, optimizer=opt, step=0, snapshot_overlap=True)
     train(model, opt)
     state.step = 1
+    go.set()
     state.commit()
     state.flush()  # step 1 copied whole (nothing ran meanwhile)
     one = clone(model)
+    go.clear()
     state.step = 2
     state.commit()
     train(model, opt)  # not held back: changes the parameters mid-copy
+    go.set()
     state.flush()
     err = capfd.readouterr().err
     lines = [x for x in err.splitlines() if "is dropped" in x]
@@ -127,7 +138,7 @@ def test_without_the_gate_the_version_check_drops_the_commit_in_one_line(
 def test_with_neither_gate_nor_check_the_snapshot_would_mix_two_steps(
         local_tier: Holder, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the two guards prevent, shown: the published snapshot is not the committed state."""
-    slow_copy(monkeypatch, [])
+    go = slow_copy(monkeypatch, [])
     monkeypatch.setattr(overlap.Gate, "_before_step", lambda *a: None)
     monkeypatch.setattr(overlap, "changed", lambda *a: None)
     model, opt = model_and_opt()
@@ -137,6 +148,7 @@ def test_with_neither_gate_nor_check_the_snapshot_would_mix_two_steps(
     state.commit()
     committed = clone(model)
     train(model, opt)
+    go.set()
     state.flush()
     got = snapshot_of(state)
     assert not torch.equal(got["0.weight"], committed["0.weight"])
@@ -145,7 +157,7 @@ def test_with_neither_gate_nor_check_the_snapshot_would_mix_two_steps(
 
 def test_a_tensor_changed_outside_the_optimizer_is_caught(
         local_tier: Holder, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    slow_copy(monkeypatch, [])
+    go = slow_copy(monkeypatch, [])
     model, opt = model_and_opt()
     state = State(model=model, optimizer=opt, step=0, snapshot_overlap=True)
     train(model, opt)
@@ -153,6 +165,7 @@ def test_a_tensor_changed_outside_the_optimizer_is_caught(
     state.commit()
     with torch.no_grad():
         model[0].weight.clamp_(-0.01, 0.01)  # in place, not through the optimizer
+    go.set()
     state.flush()
     assert "snapshot of step 1 is dropped" in capfd.readouterr().err
     assert state._snap.last() is None  # nothing older to keep

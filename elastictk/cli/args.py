@@ -215,6 +215,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                             choices=["node", "socket", "exclusive", "core-complex"],
                             help="bind each worker to the CPUs near the GPU its LOCAL_RANK names "
                                  "(torch.numa.binding's choice, as torchrun); needs CUDA")
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}",
+                        help="print elastictk's version and exit")
     parser.add_argument("training_script", help="the script (or module, or program) to run")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
                         help="arguments passed on to the script")

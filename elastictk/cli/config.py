@@ -18,7 +18,9 @@ from ..snapshot.settings import MIN_REGION
 from ..snapshot.settings import TIERS as SNAPSHOT_TIERS
 from ..snapshot.trust import usable_root
 from ..store.endpoint import Endpoint
-from .preflight import check_event_log, check_log_dir
+from .preflight import (
+    check_event_log, check_health_command, check_log_dir, check_writable_dir, shared_dir_first_fix,
+)
 from .values import (
     BACKENDS, HANG_MODES, MAX_COLLECTIVE_TIMEOUT, MAX_RESTART_BACKOFF, RECOVERY_MODES,
     START_METHODS, Std, UsageError,
@@ -285,11 +287,15 @@ def check_system(config: LaunchConfig) -> None:
         check_log_dir(c.log_dir)
     if c.event_log is not None:
         check_event_log(c.event_log)
+    if c.health_check is not None:
+        check_health_command(c.health_check)
     if c.snapshot_dir is not None and "disk" in c.snapshot:
+        shared_dir_first_fix(c.snapshot_dir, "--snapshot-dir")
         why = usable_root(c.snapshot_dir)
         if why is not None:
             raise UsageError(f"--snapshot-dir {c.snapshot_dir}: {why}; pick a directory of your "
                              "own that only you can write (it is created mode 0700 if missing)")
+        check_writable_dir(c.snapshot_dir, "--snapshot-dir")  # a real probe: /proc/x as root
     if c.rdzv_path is not None:
         parent = os.path.dirname(os.path.abspath(c.rdzv_path))
         if not os.path.isdir(parent):

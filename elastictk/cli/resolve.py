@@ -322,7 +322,9 @@ def _stragglers(c: Flags) -> dict[str, Any]:
             ns.straggler_windows, c.at("straggler_windows", "--straggler-windows"), minimum=1)),
         straggler_interval=(5.0 if ns.straggler_interval is None else parse_seconds(
             ns.straggler_interval, c.at("straggler_interval", "--straggler-interval"),
-            maximum=(3600.0, "(an hour); pass e.g. --straggler-interval 5"))),
+            maximum=(3600.0, "(an hour); pass e.g. --straggler-interval 5"),
+            minimum=(0.1, "(each check reads every rank's pace; a shorter interval only spins "
+                          "the agent); pass e.g. --straggler-interval 5"))),
     )
 
 

@@ -95,9 +95,11 @@ def parse_int(text: str, where: str, *, minimum: int | None = None) -> int:
 
 
 def parse_seconds(text: str, where: str, *, allow_zero: bool = False,
-                  maximum: tuple[float, str] | None = None) -> float:
+                  maximum: tuple[float, str] | None = None,
+                  minimum: tuple[float, str] | None = None) -> float:
     """A finite number of seconds, more than 0 (or 0 too with ``allow_zero``); ``maximum`` is
-    ``(bound, why and what to pass instead)``, for the settings a huge value breaks."""
+    ``(bound, why and what to pass instead)``, for the settings a huge value breaks; ``minimum``
+    the same for the settings a tiny one turns into a busy loop."""
     try:
         value = float(text.strip())
     except ValueError:
@@ -107,6 +109,8 @@ def parse_seconds(text: str, where: str, *, allow_zero: bool = False,
         raise UsageError(f"{where}: seconds must be a finite number {bound}")
     if maximum is not None and value > maximum[0]:
         raise UsageError(f"{where}: seconds must be at most {maximum[0]:g} {maximum[1]}")
+    if minimum is not None and value < minimum[0]:
+        raise UsageError(f"{where}: seconds must be at least {minimum[0]:g} {minimum[1]}")
     return value
 
 

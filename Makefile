@@ -62,12 +62,13 @@ test: install debs check
 # The same suite beside one busy process per core (normal priority), started before pytest and
 # killed by PID after it, whatever pytest's exit (tests/helpers/loaded.py): agents run beside data
 # loaders that take every core, so heartbeats, watches and timers must hold there, and tests wait
-# on events, never on bounds tuned to an idle machine. LOAD_HOGS=N for another count.
+# on events, never on bounds tuned to an idle machine. LOAD_HOGS=N for another count; each test
+# gets 900 s, not 300 (pytest-timeout's per-test bound is itself tuned to an idle machine).
 LOAD_HOGS ?= $(shell nproc)
 test-loaded: install debs check
 	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \
 	$(VPY) -m tests.helpers.loaded --hogs $(LOAD_HOGS) -- \
-	  $(VPY) -m pytest -q tests --basetemp=$$bt -n $(TEST_WORKERS) --dist loadfile; rc=$$?; rm -rf $$bt; exit $$rc
+	  $(VPY) -m pytest -q tests --basetemp=$$bt -n $(TEST_WORKERS) --dist loadfile --timeout 900; rc=$$?; rm -rf $$bt; exit $$rc
 
 bench: install
 	$(VPY) -m bench

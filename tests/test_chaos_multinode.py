@@ -45,6 +45,7 @@ def test_a_lost_agent_is_a_membership_change_and_the_survivors_finish(tmp_path: 
     assert d["multinode"] == {"nodes": 3, "backend": "c10d", "rejoin_s": None}
 
 
+@pytest.mark.timeout(600)  # the run's own deadline is 480 s: its agents start in minutes on a loaded host
 def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path: Path) -> None:
     # Under c10d the store lives in node 0's agent: the outage is a SIGSTOP of that agent.
     # A world of one takes no step (--hold-below-world 2): node 1's agent starts a minute late on

@@ -108,6 +108,7 @@ def _run(tmp: Path, change: str) -> tuple[list[samples.Line], samples.Verdict, s
     return samples.final_history(lines), samples.judge(records), text
 
 
+@pytest.mark.timeout(900)  # agents' start-ups take minutes on a loaded host; each wait has its deadline
 @pytest.mark.parametrize("change, worlds", [("leave", (3, 2)), ("join", (2, 3))])
 def test_a_node_lost_or_joining_mid_epoch_trains_each_sample_once(
         tmp_path: Path, change: str, worlds: tuple[int, int]) -> None:

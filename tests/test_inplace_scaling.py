@@ -189,6 +189,7 @@ def test_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, reference: list[
     assert gens[max(gens)] < gens[0], gens  # the survivors' own processes formed the last one
 
 
+@pytest.mark.timeout(900)  # waits for a newcomer whose start-up takes minutes on a loaded host
 def test_a_joining_node_grows_the_world_in_place(tmp_path: Path) -> None:
     """Two agents train; a third joins: the two keep their processes and, at a commit point,
     re-form at world size 3 with the newcomer, which gets the state from them. The two train

@@ -119,3 +119,14 @@ def test_a_fresh_interpreter_preload_server_holds_no_token(monkeypatch: pytest.M
     finally:
         server.close()
     assert os.environ["ELASTICTK_RDZV_TOKEN"] == token  # the owner keeps its own
+
+
+def test_a_one_character_secret_is_not_overwritten_in_place() -> None:
+    """CPython shares one object per one-character str and bytes: zeroing the token's would
+    change every "x" in the server (run in a child: the planted bug corrupts its interpreter)."""
+    code = ("from elastictk.supervisor.forget import _overwrite\n"
+            "x, y = chr(120), bytes([121])\n_overwrite(x); _overwrite(y)\n"
+            "assert chr(120) == 'x' and bytes([121]) == b'y', (chr(120), bytes([121]))\n"
+            "z = 'tk' + str(12345)\n_overwrite(z)\nassert z == chr(0) * 7, repr(z)\nprint('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

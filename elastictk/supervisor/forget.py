@@ -101,7 +101,11 @@ def _forget_env(name: str, found: list[object]) -> None:
 def _overwrite(value: object) -> None:
     """Zero the characters of a str (compact ASCII only: the layout CPython documents as
     fixed) or a bytes object in this process, so that neither it nor the memory it leaves
-    when freed holds the secret. Other layouts are left alone (only their references went)."""
+    when freed holds the secret. Other layouts are left alone (only their references went),
+    and so are objects of one character: CPython shares those (every ``"a"``, every ``b"a"``
+    is one object), and zeroing one would change it for the whole process."""
+    if len(value) < 2:  # type: ignore[arg-type]
+        return
     if isinstance(value, bytes):
         offset = bytes.__basicsize__ - 1  # ob_sval
         ctypes.memset(id(value) + offset, 0, len(value))

@@ -12,7 +12,9 @@ stdin, one JSON line answered per command on stdout:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import threading
 import sys
 import time
 from typing import Any, Optional
@@ -21,6 +23,28 @@ from elastictk.snapshot.local import Holder
 from elastictk.snapshot.peertier import PeerTier
 
 TOKEN, JOB = "bench-token", "bench"
+
+
+def _used(tier: PeerTier) -> int:
+    while True:
+        try:
+            return tier.replicas.used()
+        except RuntimeError:  # the set changed while it was summed: read again
+            continue
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """RssAnon and RssShmem of ``pid`` in bytes (0 when it is gone)."""
+    out = {"rss_anon": 0, "rss_shmem": 0}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssShmem"):
+                    out["rss_" + key[3:].lower()] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 class _Member:
@@ -49,6 +73,10 @@ def main() -> None:
                 tiers[0].round([b, a], 1, "A", 0, prefetch=False)
                 tiers[1].round([b, a], 1, "B", 0, prefetch=False)
                 _answer({**holders[0].env(), **tiers[0].env()})
+            elif cmd == "mem":  # node A's local tier (pages written) and B's replicas, in bytes
+                _answer({"local": os.stat(holders[0].path).st_blocks * 512 if holders else 0,
+                         "replicas": _used(tiers[1]) if len(tiers) > 1 else 0, **_rss(os.getpid()),
+                         "lag": max(tiers[0].lag.lags().values(), default=0) if tiers else 0})
             elif cmd == "replicated":  # the step B holds newest from A
                 steps = [k.step for k in tiers[1].replicas.index()]
                 _answer({"step": max(steps) if steps else None})
@@ -81,12 +109,14 @@ class Agents:
     def __init__(self, memory: int) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "bench._peer_agents", str(memory)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._lock = threading.Lock()  # the memory sampler asks from a thread of its own
 
     def ask(self, cmd: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        with self._lock:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the bench's agents process ended (exit {self.proc.wait()})")
         return dict(json.loads(line))

@@ -96,6 +96,13 @@ def _uncache(path: Path) -> None:
         os.close(fd)
 
 
+def _close(state: Any) -> None:
+    """Unmap a restored state's snapshot memory (a finished worker's exit does the same)."""
+    snap = state.__dict__.get("_snap")
+    if snap:
+        snap.close()
+
+
 def _target(overhead: dict[int, dict[str, float]]) -> list[str]:
     """The issue's target: a commit costs at most 5 % of a 100 ms step at 100 MB."""
     if 100 * MB not in overhead:
@@ -118,6 +125,7 @@ def run(cfg: RunConfig) -> BenchResult:
     from elastictk.snapshot.local import Holder
     from elastictk.snapshot.settings import ENV_DIR, ENV_EVERY, ENV_NOTIFY, ENV_TIERS
 
+    from . import _snap_memory
     from ._peer_agents import Agents
 
     sizes = [10 * MB, 100 * MB] + ([] if cfg.quick else [1000 * MB])
@@ -126,12 +134,22 @@ def run(cfg: RunConfig) -> BenchResult:
     base = Path(tempfile.mkdtemp(prefix="etk-bench-snapshot-"))
     rows: list[Comparison] = []
     overhead: dict[int, dict[str, float]] = {}
+    memory: dict[int, dict[str, Any]] = {}
     running: list[Any] = []  # the agents' processes, closed however the run ends
     saved = {k: os.environ.get(k) for k in (ENV_TIERS, ENV_DIR, ENV_EVERY, "ELASTICTK_SNAPSHOT_REGIONS",
                                              "ELASTICTK_SNAPSHOT_REGION_SIZE", "ELASTICTK_SNAPSHOT_MEMORY",
                                              ENV_NOTIFY)}
     try:
         for size in sizes:
+            # First, alone (nothing else of this size allocated yet): peak memory per node.
+            mem_agents = Agents(2 * size + 64 * MB)
+            running.append(mem_agents)
+            try:
+                mem_env = mem_agents.ask("start")
+                memory[size] = _snap_memory.measure(size, mem_agents, {**mem_env, ENV_TIERS: "local"})
+            finally:
+                mem_agents.close()
+            cfg.log(_snap_memory.line(memory[size]))
             holder = Holder(1, 2 * size + 64 * MB)
             os.environ.update(holder.env())
             os.environ.pop(ENV_DIR, None)
@@ -253,6 +271,8 @@ def run(cfg: RunConfig) -> BenchResult:
                 took = (time.perf_counter() - t0) * 1000
                 cpu.setdefault(subject, []).append((time.process_time() - c0) * 1000)
                 assert torch.equal(fresh_m.w, {"local": model_l, PEER: model_r, "disk": model_b}.get(subject, model_p).w)
+                if subject in ("local", PEER, "disk"):
+                    _close(fresh)  # as the restarted worker's exit would: its mapping of the memory goes
                 return took
 
             got = interleaved(["local", PEER, "disk", "torch.load", "torch.load, file not in the page cache",
@@ -307,10 +327,11 @@ def run(cfg: RunConfig) -> BenchResult:
              "Both restores must touch every byte of the state and place the optimizer's half in "
              "fresh pages (a restarted process has no other); on this machine a fresh 4 kB page "
              "costs about as much as copying it several times, which bounds the ratio.",
-             *_target(overhead)]
+             *_target(overhead), *[_snap_memory.line(m) for m in memory.values()]]
     return BenchResult(
         name="snapshot", title=TITLE, description=(__doc__ or "").split("\n", 1)[1].strip(),
         unit="ms", higher_is_better=False, rows=rows, notes=notes,
         params={"sizes_mb": [s // MB for s in sizes], "steps": steps, "rounds": rounds,
-                "step_s": STEP_S, "quick": cfg.quick},
+                "step_s": STEP_S, "quick": cfg.quick,
+                "memory_per_node": {str(k // MB): v for k, v in memory.items()}},
     )

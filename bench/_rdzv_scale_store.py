@@ -106,6 +106,11 @@ class CountingStore(Store):
         self._count("multi_get", _n(keys), sum(len(v or b"") for v in got))
         return got
 
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        items = list(items)
+        self.inner.multi_set(items)
+        self._count("multi_set", sum(len(k.encode()) + len(v) for k, v in items))
+
     def add(self, key: str, amount: int) -> int:
         got = self.inner.add(key, amount)
         self._count("add", _n([key]) + len(str(amount)), len(str(got)))

@@ -151,6 +151,12 @@ class Store(ABC):
         """``try_get`` for many keys; backends with a batched call override it."""
         return [self.try_get(k) for k in keys]
 
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """``set`` for many keys (one writer publishing many records: a round's assignments);
+        backends with a batched call override it. Every value is visible when it returns."""
+        for key, value in items:
+            self.set(key, value)
+
     def num_keys(self) -> int:
         return len(self.keys(""))
 

@@ -332,6 +332,13 @@ class EtcdStore(Store):
         values, _ = self._read(list(dict.fromkeys(full)))
         return [values.get(k) for k in full]
 
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Puts in transactions of at most :data:`MAX_TXN_OPS` (etcd's --max-txn-ops)."""
+        items = list(dict(items).items())  # one put per key (etcd refuses a txn naming a key twice)
+        for i in range(0, len(items), MAX_TXN_OPS):
+            ops = [{"request_put": {"key": b64(self._k(k)), "value": b64(v)}} for k, v in items[i:i + MAX_TXN_OPS]]
+            self._call("/v3/kv/txn", {"success": ops})
+
     def _counter(self, key: str, value: bytes | None) -> int:
         if value is None:
             return 0

@@ -38,6 +38,9 @@ class PrefixStore(Store):
     def multi_get(self, keys: Iterable[str]) -> list[bytes | None]:
         return self.inner.multi_get([self._k(k) for k in keys])
 
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self.inner.multi_set([(self._k(k), v) for k, v in items])
+
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(self._k(key), amount)
 

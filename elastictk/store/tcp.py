@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402  (after the log level is set)
 # trip without creating it (c10d returns ``expected`` for an absent key and never writes it, but
 # wakes the key's waiters: ``try_get`` checks first).
 _ABSENT = b"\x00elastictk-absent\x00" + os.urandom(16)
+_MULTI_SET_BATCH = 256  # keys per MULTI_SET request: one closer publishing a round's assignments
 
 
 def unreachable(endpoint: Endpoint, reason: str) -> StoreUnreachable:
@@ -166,6 +167,18 @@ class TCPStore(Store):
                 except dist.DistStoreError:
                     pass  # a key vanished between the two calls: read them one by one
         return [self.try_get(k) for k in keys]
+
+    def multi_set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Batches of c10d's MULTI_SET (one request each), then one check on the same
+        connection, which makes every write visible before this returns (as ``set``)."""
+        items = list(items)
+        if not items:
+            return
+        with self._op("multi_set", [k for k, _ in items[:5]]) as s:
+            for i in range(0, len(items), _MULTI_SET_BATCH):
+                batch = items[i:i + _MULTI_SET_BATCH]
+                s.multi_set([k for k, _ in batch], [v for _, v in batch])  # type: ignore[attr-defined]  # in torch, not its stub
+            s.check([items[-1][0]])
 
     def add(self, key: str, amount: int) -> int:
         with self._op("add", [key]) as s:

@@ -63,6 +63,11 @@ def make_model_machine(store: Store) -> type[RuleBasedStateMachine]:
             else:
                 assert got == current
 
+        @rule(items=st.lists(st.tuples(KEYS, VALUES), max_size=4))
+        def multi_set(self, items: list[tuple[str, bytes]]) -> None:
+            self.s.multi_set(items)
+            self.model.update(items)  # in order: a key given twice keeps its last value
+
         @rule(key=KEYS)
         def delete(self, key: str) -> None:
             assert self.s.delete(key) == (key in self.model)
@@ -114,6 +119,15 @@ class StoreContract:
                 value = str(i).encode() + b"x" * (1 << 20)
                 store.set("fresh", value)
                 assert other.try_get("fresh") == value, f"write {i} not visible to another client"
+        finally:
+            other.close()
+
+    def test_multi_set_is_seen_by_every_client_once_it_returns(self, store: Store) -> None:
+        items = [(f"ms/{i}", f"v{i}".encode()) for i in range(300)]  # past one batch (etcd: 128)
+        store.multi_set(items)
+        other = store.clone()
+        try:
+            assert other.multi_get([k for k, _ in items]) == [v for _, v in items]
         finally:
             other.close()
 

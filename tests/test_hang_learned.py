@@ -91,6 +91,9 @@ def test_a_hung_rank_is_named_against_the_learned_deadline_and_recovered(
         [(1, "hang_detected")], out
     assert len(_events(tmp_path, "restart")) == 1
     assert (tmp_path / "a1.r0.done").exists() and (tmp_path / "a1.r1.done").exists()
+    # what the job learned is kept across the restart: its progress deadline is not learned anew
+    learned = [e for e in _events(tmp_path, "hang_deadline") if "progress" in e["deadlines"]]  # type: ignore[operator]
+    assert len(learned) == 1, learned
     # recorded for the report and the bench, not asserted: the machine may be loaded
     first = float((tmp_path / "a1.r0.first").read_text())
     print(f"{mode}: named {float(h['mono']) - float(fault_at):.1f}s and first step again "  # type: ignore[arg-type]

@@ -21,6 +21,14 @@ agent, and the culprits are SIGKILLed. The agent then sees an ordinary worker fa
 recovers as for any other (restart-all or in place); :meth:`ProgressWatch.hang_of` tells it why
 the worker died.
 
+Under ``--hang-detection learned`` (``learned=True``, elastictk-run's default) progress is any
+mark a worker writes (steps, completed collectives, ``fault_point``, ``elastictk.section``; see
+``elastictk/metrics/marks.py``), judged against deadlines learned from the job's own pace
+(``pace.py``) by ``hangjudge.judge``: a stopped rank, or one idle outside a collective while a
+peer waits in one, is hung (declared as above, trigger ``learned``); every rank due together is
+a stall, reported with stacks and never killed unless ``progress_timeout`` (then the user's
+explicit ceiling) is outlasted. ``learned.py`` holds what the agent learned across attempts.
+
 While any watched worker has exited, nothing is judged: the agent is stopping the group or
 replacing the worker, and the next :meth:`arm`/:meth:`replace` starts the clocks again.
 """

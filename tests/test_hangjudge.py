@@ -3,9 +3,11 @@ worker-written progress words (elastictk/agent/learned.py: garbage from a worker
 error), and the worker side of the marks (elastictk.section, fault_point) in one process."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from elastictk.agent.hangjudge import RankView, judge
@@ -152,3 +154,30 @@ def test_a_rank_with_no_progress_since_its_start_is_not_judged() -> None:
     old, new = SlotSnapshot(0, progress_mono=NOW - 30), SlotSnapshot(1, progress_mono=NOW - 1)
     views_ = learned.views(NOW, {0: (0, os.getpid(), NOW - 10), 1: (1, os.getpid(), NOW - 10)}, [old, new])
     assert [v.finished for v in views_] == [True, False]
+
+
+def test_a_runnable_rank_starved_of_cpu_is_computing_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host whose cores are all busy a rank in a long step gets little CPU; it is runnable
+    (R), so it reads as computing and is never judged idle beside a peer that waits; one in disk
+    I/O (D, a checkpoint on slow storage) too. A sleeping rank (S) that used no CPU is idle."""
+    from elastictk.agent import learned as learned_mod
+    from elastictk.lifetime.procfs import read_stat as real_read_stat
+
+    states = {100: "R", 200: "S", 300: "D"}
+    monkeypatch.setattr(learned_mod, "cpu_seconds", lambda pid: 1.0)  # no CPU between looks
+
+    def fake_stat(pid: int) -> object:
+        st = real_read_stat(os.getpid())
+        assert st is not None
+        return dataclasses.replace(st, state=states[pid])
+
+    monkeypatch.setattr(learned_mod, "read_stat", fake_stat)
+    learned = Learned(ceiling=None)
+    slots = [SlotSnapshot(0, progress_mono=NOW - 30), SlotSnapshot(1, progress_mono=NOW - 30)]
+    slots.append(SlotSnapshot(2, progress_mono=NOW - 30))
+    ranks = {0: (0, 100, NOW - 60), 1: (1, 200, NOW - 60), 2: (2, 300, NOW - 60)}
+    learned.views(NOW - 1, ranks, slots)
+    runnable, sleeping, writing = learned.views(NOW, ranks, slots)
+    assert runnable.busy and runnable.state == "R"
+    assert writing.busy and writing.state == "D"
+    assert not sleeping.busy and sleeping.state == "S"

@@ -116,6 +116,12 @@ class Learned:
                     busy = (cpu - prev[2]) / (now - prev[1]) >= BUSY_CPU
                 self._cpu[lr] = (pid, now, cpu)
             st = read_stat(pid)
+            # Runnable (R) is computing too, however little CPU it got: on a host whose cores
+            # are all busy (data loaders at 100 %) a rank in a long step may get under
+            # BUSY_CPU of a core, and it must not read as idle. In disk I/O (D: a checkpoint
+            # written to slow storage while the peers wait in the next collective) it works
+            # too. Idle is asleep (S) with no CPU: a lock, a wait, a frozen loop.
+            busy = busy or (st is not None and st.state in ("R", "D"))
             out.append(RankView(lr, rank, last, s.coll_since,
                                 s.section if s.section_since else "",
                                 "?" if st is None else st.state, busy, finished or fresh))

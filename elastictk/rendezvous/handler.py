@@ -1,9 +1,13 @@
 """The rendezvous handler an agent calls to join a job: ``next_round()`` and friends.
 
-Joining costs each node a handful of round trips (one counter bump, one slot write, then a
-blocking wait on the round's result key). One node, the earliest live arrival, closes the round
-with a single compare-and-set; if it dies, the next earliest takes over. The decisions
-themselves live in :mod:`elastictk.rendezvous.decide`.
+A join costs each node a constant number of store calls and bytes, whatever the round's size:
+one read (``latest``, the shutdown note, a round's size record), an arrival-counter bump, its
+own slot, then a blocking wait on its own assignment key (rank, world size, rank 0's meta,
+ring successors), woken once when the closer writes it, and one read of it. It never reads
+the member list (``RoundInfo.members`` does, on first use). One node, the earliest live
+arrival, closes the round (:mod:`elastictk.rendezvous.closing`): it alone reads the O(N)
+slots once, writes the result with one compare-and-set and every assignment in bulk; if it
+dies, the next earliest takes over. The decisions live in :mod:`elastictk.rendezvous.decide`.
 """
 from __future__ import annotations
 
@@ -14,27 +18,32 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 from ..store import PrefixStore, Store, StoreTimeout
 from ..store.base import Backoff
 from .auth import ALG, Signer
+from .closing import _UNREAD, RoundCloser, closed
 from .config import RendezvousConfig
-from .decide import Arrival, Close, Fail, Hold, RoundView, Wait, decide, round_to_join
+from .decide import Arrival, round_to_join
 from .errors import (
-    RendezvousAuthError, RendezvousClosed, RendezvousInterrupted, RendezvousStateError, RendezvousTimeout,
+    RendezvousAuthError, RendezvousInterrupted, RendezvousStateError, RendezvousTimeout,
 )
-from .liveness import Heartbeat, LivenessTracker, read_counters
+from .liveness import Heartbeat, LivenessTracker
 from .records import (
+    Assignment,
     Member,
     NodeRecord,
     RoundResult,
-    decode_node,
+    RoundSize,
     decode_note,
     decode_result,
     encode_note,
     round_key,
+    size_key,
     slot_key,
+    to_key,
 )
 from .sealed import Records, new_run_nonce, parse_counter
 from .waiting import WaitingReporter, waiting_line
@@ -44,14 +53,28 @@ log = logging.getLogger("elastictk.rendezvous")
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """This node's place in a closed round."""
+    """This node's place in a closed round.
+
+    A join reads only this node's own assignment (O(1) in the round's size): rank, world size,
+    rank 0's meta (``master``) and the ring successors whose heartbeats it watches. The member
+    list is read from the round's result on first use of :attr:`members` (once, then kept),
+    so only those that need every member's record pay for it.
+    """
 
     round: int
     rank: int
     world_size: int
-    members: tuple[Member, ...]
     store_prefix: str
     store: Store = field(repr=False, compare=False)
+    master: dict[str, Any] = field(default_factory=dict, compare=False)
+    ring: tuple[str, ...] = field(default=(), compare=False)
+    load_members: Callable[[], tuple[Member, ...]] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def members(self) -> tuple[Member, ...]:
+        if self.load_members is None:
+            return ()
+        return self.load_members()
 
     @property
     def peers(self) -> tuple[Member, ...]:
@@ -67,15 +90,7 @@ _ROUNDS_CAP = 2**53  # no job runs more rounds; a counter past it is garbage, cl
 # The longest a waiting node takes to notice ``interrupt()`` (each wait is sliced to it).
 INTERRUPT_LATENCY = 0.5
 
-def closed(job_id: str, reason: str) -> RendezvousClosed:
-    """What a node is told when the job ended before it could join: ``reason`` says how
-    (``shutdown``): ``failed: ...`` when the job gave up, anything else when it finished."""
-    if not reason.startswith("failed"):
-        return RendezvousClosed(f"job {job_id!r} has finished ({reason}); nothing to join")
-    return RendezvousClosed(f"job {job_id!r} has ended ({reason}); nothing to join", succeeded=False)
-
-
-class RendezvousHandler:
+class RendezvousHandler(RoundCloser):
     """Joins membership rounds of one job over any :class:`Store`.
 
     ``store`` is the job's store (shared by every node); the handler keeps its keys under
@@ -105,6 +120,7 @@ class RendezvousHandler:
         self.records = Records(self.store, self.prefix, self.signer)
         self._admitted = False
         self._ignored: set[str] = set()
+        self._sizes: dict[int, RoundSize] = {}  # closed rounds' size records (they never change)
         self._deadline = 0.0  # of the join in progress; a spare's is pushed on while it waits
         #: Called with (round, members of the full round before it) when this node waits as a
         #: spare for that round (the agent emits ``spare_waiting``); never raises into the join.
@@ -199,12 +215,10 @@ class RendezvousHandler:
         """
         cfg = self.config
         self._deadline = self._clock() + cfg.join_timeout
-        self._admit()
-        self.start_heartbeat()
+        self.start_heartbeat()  # and, before it, this process's admission to the job
         floor = 1
         while True:
             self._check_interrupted()
-            self._raise_if_shut_down()
             if self._clock() >= self._deadline:
                 raise RendezvousTimeout(
                     f"node {self.node_id} found no round of job {cfg.job_id!r} with room for it "
@@ -215,42 +229,24 @@ class RendezvousHandler:
             slot = slot_key(n, seq)
             self.store.set(slot, NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot)))
             self._say_if_spare(n)
-            result = self._await(n, seq)
-            if result.shutdown is not None:
-                raise closed(cfg.job_id, result.shutdown)
-            rank = result.rank_of(self.node_id)
-            if rank is not None:
+            mine = self._await(n, seq)
+            if mine is not None:
                 self.current = RoundInfo(
-                    n, rank, len(result.members), result.members,
-                    f"{self.prefix}/{round_key(n, 'job')}",
-                    PrefixStore(round_key(n, "job"), self.store),
+                    n, mine.rank, mine.world, f"{self.prefix}/{round_key(n, 'job')}",
+                    PrefixStore(round_key(n, "job"), self.store), mine.master, mine.ring,
+                    load_members=lambda n=n: self._members_of(n),  # type: ignore[misc]
                 )
                 return self.current
             # The round closed without us (we came after the closer counted, or past max):
             # we are now waiting for the next round, which num_nodes_waiting() reports.
             floor = n + 1
 
-    def _spare_for(self, n: int) -> RoundResult | None:
-        """The full round before ``n`` when this node is not one of its members (it waits as a
-        spare for ``n`` until a member is lost or leaves); else None."""
-        previous = self._read_result(n - 1) if n > 1 else None
-        if (previous is None or previous.shutdown is not None or len(previous.members) < self.config.max_nodes
-                or previous.rank_of(self.node_id) is not None):
-            return None
-        return previous
-
-    def _say_if_spare(self, n: int) -> None:
-        previous = self._spare_for(n)
-        if previous is None:
-            return
-        log.info("node %s waits as a spare: round %d runs full (%d of --nnodes MAX %d); it joins round %d "
-                 "when a member is lost or leaves", self.node_id, n - 1, len(previous.members),
-                 self.config.max_nodes, n)
-        if self.on_spare is not None:
-            try:
-                self.on_spare(n, len(previous.members))
-            except Exception as e:  # noqa: BLE001 - a report, never a reason to fail the join
-                log.warning("spare callback failed: %r", e)
+    def _members_of(self, n: int) -> tuple[Member, ...]:
+        """Round ``n``'s member list (its result: O(N) bytes), for those that ask for it."""
+        result = self._read_result(n)
+        if result is None or result.shutdown is not None:
+            raise RendezvousStateError(f"round {n} of job {self.config.job_id!r} has no member list in the store")
+        return result.members
 
     def start_heartbeat(self) -> None:
         """Start heartbeating now instead of in the first :meth:`next_round`.
@@ -260,86 +256,78 @@ class RendezvousHandler:
         resolver stretches to seconds; an agent that calls this while it prepares its workers
         keeps all that off the rendezvous' critical path. Idempotent; :meth:`close` stops it.
         """
+        self._admit()  # once per process: off the join's critical path when called early
         if self._heartbeat is None:
             # The left note is sealed when the node leaves: by then it knows the run's nonce.
             left = (lambda: self.note(f"left/{self.node_id}", node_id=self.node_id)) if self.signer.enabled else None
             self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval, left_note=left)
 
     def _open_round(self, floor: int) -> int:
-        """The round to join; never below ``floor`` (a round that already closed without us)."""
-        raw = self.store.try_get("latest")  # a read: joiners never race to write it
-        latest = parse_counter(raw, _ROUNDS_CAP)
-        closed = latest > 0 and self._read_result(latest) is not None
-        n = max(round_to_join(latest, closed), floor)
-        if n > latest:  # one try: whoever loses saw a newer round opened by another node
-            self.store.compare_set("latest", raw, str(n).encode())
-        return n
+        """The round to join; never below ``floor`` (a round that already closed without us).
 
-    def _await(self, n: int, seq: int) -> RoundResult:
-        """Wait for round ``n``'s result; close it ourselves when we are the closer."""
+        ``latest`` is the open round, written only by the closer of the round before it (with
+        the assignments), so joiners never race to write it. One read here: ``latest``, the
+        shutdown note and the size record of the round this node expects to be open (its
+        last round's next, or 1), which says whether that one closed meanwhile."""
+        guess = self.current.round + 1 if self.current is not None else 1
+        raw, shut, size_raw = self.store.multi_get(["latest", "shutdown", size_key(guess)])
+        if self.verified("shutdown", shut):
+            assert shut is not None
+            reason = str(decode_note(self._k("shutdown"), shut).get("reason", "finished"))[:200]
+            raise closed(self.config.job_id, reason)
+        latest = max(parse_counter(raw, _ROUNDS_CAP), 1)
+        closed_ = self._size(latest, size_raw if latest == guess else _UNREAD) is not None
+        return max(round_to_join(latest, closed_), floor)
+
+    def _await(self, n: int, seq: int) -> Assignment | None:
+        """Wait for this node's assignment in round ``n`` (None: the round closed without it);
+        close the round ourselves when we are the closer.
+
+        A waiting node blocks on its own assignment key, woken once when the closer writes it;
+        each slice it waits (short enough for :meth:`interrupt`) ends with one read of that
+        key, the round's size record and the shutdown note, and, every heartbeat interval,
+        a look at whether the earlier arrival that closes the round is still alive."""
         cfg = self.config
-        result_key = round_key(n, "result")
-        previous = self._read_result(n - 1) if n > 1 else None
+        mine = to_key(n, self.node_id)
         spare = self._spare_for(n) is not None
         records: dict[int, Arrival | None] = {}
-        opened_at, min_reached_at = self._clock(), None
-        reporter, holding = WaitingReporter(opened_at), False
-        while True:
-            deadline = self._deadline
+        opened_at = self._clock()
+        reporter = WaitingReporter(opened_at)
+        checked_at = opened_at  # the closer's liveness: first looked at after a heartbeat interval
+        while seq > 1:
             self._check_interrupted()
-            raw = self.store.try_get(result_key)
-            result = self._decode_result(result_key, raw)
-            if result is not None:
-                return result
+            deadline = self._deadline
             now = self._clock()
-            if not (spare or holding) and reporter.due(now):
+            try:
+                self.store.wait([mine], max(0.001, min(self._slice, deadline - now)))
+            except StoreTimeout:
+                pass
+            raw, size_raw, shut = self.store.multi_get([mine, size_key(n), "shutdown"])
+            got = self._decode_assignment(mine, raw)
+            if got is not None:
+                return got
+            if self.verified("shutdown", shut):
+                self._raise_if_shut_down()
+            if self._size(n, size_raw) is not None:
+                return None  # closed without us: the next round
+            if raw is not None:  # bytes that do not verify: the store cannot wait for a change
+                time.sleep(max(0.001, min(self._slice, deadline - self._clock())))
+            now = self._clock()
+            if not spare and reporter.due(now):
                 self._say_waiting(n, deadline - now)
-            if self._closer_alive_before(n, seq, records, now):
-                if spare:  # behind an earlier spare, which holds the round while the job runs full
-                    self._deadline = deadline = max(deadline, now + cfg.join_timeout)
-                elif now >= deadline:
-                    raise RendezvousTimeout(
-                        f"round {n} of job {cfg.job_id!r} did not form within the join timeout of "
-                        f"{cfg.join_timeout:g}s; start more nodes or lower --nnodes MIN"
-                    )
-                if raw is None:
-                    self._wait_for([result_key], min(self._slice, deadline - now))
-                else:  # bytes that are not the result: the store cannot wait for a change
-                    time.sleep(max(0.001, min(self._slice, deadline - now)))
+            if now - checked_at < cfg.heartbeat_interval:
                 continue
-            # We close this round.
-            count = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
-            arrivals = self._read_slots(n, records, 1, count)
-            watch = [a.node_id for a in arrivals]
-            if previous is not None:
-                watch += [m.node_id for m in previous.members]
-            dead = self._dead(sorted(set(watch) - {self.node_id}), now)
-            view = RoundView(n, tuple(arrivals), previous, dead, now, opened_at, min_reached_at)
-            decision = decide(view, cfg)
-            if isinstance(decision, Close):
-                mine = RoundResult(n, decision.members).to_json(self.signer, self._k(result_key))
-                won = self._decode_result(result_key, self.store.compare_set(result_key, raw, mine))
-                if won is not None:
-                    return won
-                continue  # someone replaced what we saw meanwhile: look again
-            if isinstance(decision, Fail):
-                raise RendezvousTimeout(decision.reason)
-            if isinstance(decision, Hold):
-                # Spares wait as long as the job runs full; the round's clocks (join timeout,
-                # last call, the wait for previous members) start when the hold ends.
-                opened_at, min_reached_at, holding = now, None, True
+            checked_at = now
+            if not self._closer_alive_before(n, seq, records, now):
+                break  # we close this round
+            if spare:  # behind an earlier spare, which holds the round while the job runs full
                 self._deadline = max(deadline, now + cfg.join_timeout)
-                self._wait_for([slot_key(n, decision.wake_seq)], self._slice, also=result_key)
-                continue
-            assert isinstance(decision, Wait)
-            min_reached_at = decision.min_reached_at
-            until = min(decision.until, now + self._slice)
-            # A node bumps the counter before it writes its slot. ``wake_seq`` counts on from
-            # the highest written slot, so while a lower one is still unwritten it lies past
-            # the last node to come; wait for that slot first, then decide again.
-            hole = next((s for s in range(1, count + 1) if s not in records), None)
-            wake = decision.wake_seq if hole is None else hole
-            self._wait_for([slot_key(n, wake)], until - now, also=result_key)
+            elif now >= deadline:
+                raise RendezvousTimeout(
+                    f"round {n} of job {cfg.job_id!r} did not form within the join timeout of "
+                    f"{cfg.join_timeout:g}s; start more nodes or lower --nnodes MIN"
+                )
+        return self._close(n, records, opened_at)
 
     def _say_waiting(self, n: int, left: float) -> None:
         """The waiting line for round ``n``: one read of its arrival counter (capped as every
@@ -349,72 +337,10 @@ class RendezvousHandler:
         log.info("%s", waiting_line(n, joined, cfg.min_nodes, cfg.max_nodes, left, cfg.last_call,
                                     cfg.job_id))
 
-    def _closer_alive_before(self, n: int, seq: int, cache: dict[int, Arrival | None], now: float) -> bool:
-        """Whether an earlier arrival than us is alive to close the round.
-
-        Slots are read from the first on, in batches of 1, 2, 4, ... and only until a live
-        one turns up, and only that node's ``lost/`` key is read: normally slot 1 holds the
-        live closer, so a waiting node costs the store O(1) small reads per heartbeat, not
-        a read of every earlier slot and a listing of every key.
-        """
-        if seq > self.arrival_cap:
-            return True  # past what any node reads (a flood of arrivals): never the closer
-        lo, size = 1, 1
-        while lo <= seq:
-            hi = min(seq, lo + size - 1)
-            for a in self._read_slots(n, cache, lo, hi):
-                if a.node_id == self.node_id:
-                    return False
-                lost = self.verified(f"lost/{a.node_id}", self.store.try_get(f"lost/{a.node_id}"))
-                if not lost and not self._dead([a.node_id], now, set()):
-                    return True
-            lo, size = hi + 1, size * 2
-        return False
-
-    def _read_slots(self, n: int, cache: dict[int, Arrival | None], lo: int, hi: int) -> list[Arrival]:
-        """Slots lo..hi that are written (a node bumps the counter before it writes its
-        slot); records never change, so each is read once."""
-        missing = [s for s in range(lo, hi + 1) if s not in cache]
-        if missing:
-            for s, raw in zip(missing, self.store.multi_get([slot_key(n, s) for s in missing])):
-                if raw is not None:
-                    try:
-                        rec = decode_node(self._k(slot_key(n, s)), raw, self.signer)
-                    except RendezvousStateError as e:  # a stranger's join: never counted
-                        if not self.signer.enabled and not isinstance(e, RendezvousAuthError):
-                            raise  # no token: garbage is an error naming the key, as before
-                        self._ignore(slot_key(n, s), str(e))
-                        cache[s] = None
-                        continue
-                    cache[s] = Arrival(s, rec.node_id, rec.meta)
-        return [a for a in (cache.get(s) for s in range(lo, hi + 1)) if a is not None]
-
-    def _lost(self) -> set[str]:
-        keys = self.store.keys("lost/")
-        return {k[len("lost/"):] for k, raw in zip(keys, self.store.multi_get(keys)) if self.verified(k, raw)}
-
-    def _dead(self, node_ids: list[str], now: float, lost: set[str] | None = None) -> frozenset[str]:
-        if not node_ids:
-            return frozenset()
-        for node_id, value in read_counters(self.store, node_ids, self.left_check).items():
-            self.tracker.observe(node_id, value, now)
-        lost = self._lost() if lost is None else lost
-        return frozenset(n for n in node_ids if n in lost or self.tracker.is_dead(n, now))
-
     @property
     def _slice(self) -> float:
         """The longest single wait: a heartbeat interval, and short enough for ``interrupt``."""
         return min(self.config.heartbeat_interval, INTERRUPT_LATENCY)
-
-    def _wait_for(self, keys: list[str], timeout: float, also: str | None = None) -> None:
-        """Block until ``keys`` exist or ``timeout``; ``also`` is checked first (one more key
-        that ends the wait, e.g. the round's result, which the store cannot wait on with "any")."""
-        if also is not None and self._decode_result(also, self.store.try_get(also)) is not None:
-            return
-        try:
-            self.store.wait(keys, max(timeout, 0.001))
-        except StoreTimeout:
-            pass
 
     def _read_result(self, n: int) -> RoundResult | None:
         return self._decode_result(round_key(n, "result"), self.store.try_get(round_key(n, "result")))
@@ -429,7 +355,7 @@ class RendezvousHandler:
     # -- while running ----------------------------------------------------------------------
     def num_nodes_waiting(self) -> int:
         """Nodes that have arrived for the round after ours: a reason to re-rendezvous."""
-        n = self.current.round if self.current else self.store.add("latest", 0)
+        n = self.current.round if self.current else max(self.store.add("latest", 0), 1) - 1  # latest: the open one
         return parse_counter(self.store.try_get(round_key(n + 1, "arrivals")), self.config.max_nodes)
 
     def mark_lost(self, node_id: str, reason: str) -> None:

@@ -12,7 +12,12 @@ Layout (under the job's prefix)::
     shutdown                JSON: the job finished; late joiners are told so
     r/<n>/arrivals          counter: arrival order in round n
     r/<n>/slot/<seq>        JSON NodeRecord of the seq-th arrival
-    r/<n>/result            JSON RoundResult, written once by compare-and-set
+    r/<n>/result            JSON RoundResult, written once by compare-and-set (read by the
+                            next round's closer and by nodes that ask for the member list)
+    r/<n>/to/<node_id>      JSON Assignment: the node's rank, the world size, rank 0's meta and
+                            its ring neighbours; written in bulk by the closer after the result
+    r/<n>/size              JSON RoundSize: the round closed with how many (and full or not);
+                            written with the assignments, read by joiners instead of the result
     r/<n>/job/...           free for the round's members (worker store, failure flags)
     hb/<node_id>            counter: the node's heartbeat
     left/<node_id>          JSON: the node left on purpose
@@ -39,6 +44,14 @@ def round_key(n: int, *parts: str) -> str:
 
 def slot_key(n: int, seq: int) -> str:
     return round_key(n, "slot", str(seq))
+
+
+def to_key(n: int, node_id: str) -> str:
+    return round_key(n, "to", node_id)
+
+
+def size_key(n: int) -> str:
+    return round_key(n, "size")
 
 
 def hb_key(node_id: str) -> str:
@@ -86,6 +99,70 @@ class RoundResult:
             if m.node_id == node_id:
                 return m.rank
         return None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What one node needs of a closed round, O(1) in the round's size: its rank, the world
+    size, rank 0's meta (the master address) and its ring neighbours (the ranks before and
+    after it, whose heartbeats it watches). ``extra`` is free for fields added later."""
+
+    round: int
+    rank: int
+    world: int
+    master: dict[str, Any] = field(default_factory=dict)
+    ring: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, signer: Signer = _OPEN, key: str = "") -> bytes:
+        return _dump({"round": self.round, "rank": self.rank, "world": self.world, "master": self.master,
+                      "ring": list(self.ring), "extra": self.extra}, signer, key)
+
+
+def assignments(result: "RoundResult", successors: int = 2) -> dict[str, Assignment]:
+    """Every member's assignment in ``result``: a pure function of the member list. ``ring``
+    holds the next ``successors`` ranks' node ids (rank+1, rank+2, ...), never the node itself."""
+    members = sorted(result.members, key=lambda m: m.rank)
+    k = len(members)
+    master = members[0].meta if members else {}
+    out = {}
+    for i, m in enumerate(members):
+        ring = [members[(i + d) % k].node_id for d in range(1, successors + 1)]
+        ring = [r for r in dict.fromkeys(ring) if r != m.node_id]
+        out[m.node_id] = Assignment(result.round, m.rank, k, master, tuple(ring))
+    return out
+
+
+@dataclass(frozen=True)
+class RoundSize:
+    """That round ``round`` closed, with ``world`` members: what a joiner reads instead of the
+    member list (whether to open the next round, whether it waits as a spare)."""
+
+    round: int
+    world: int
+
+    def to_json(self, signer: Signer = _OPEN, key: str = "") -> bytes:
+        return _dump({"round": self.round, "world": self.world}, signer, key)
+
+
+def decode_size(key: str, raw: bytes, signer: Signer = _OPEN) -> RoundSize:
+    data = _load(key, raw, signer)
+    n, world = data.get("round"), data.get("world")
+    if not (isinstance(n, int) and isinstance(world, int) and world >= 0):
+        raise _bad(key, f"round {n!r} of size {world!r}")
+    return RoundSize(n, world)
+
+
+def decode_assignment(key: str, raw: bytes, signer: Signer = _OPEN) -> Assignment:
+    data = _load(key, raw, signer)
+    n, rank, world = data.get("round"), data.get("rank"), data.get("world")
+    master, ring, extra = data.get("master", {}), data.get("ring", []), data.get("extra", {})
+    if not (isinstance(n, int) and isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
+        raise _bad(key, f"rank {rank!r} of world {world!r}")
+    if not (isinstance(master, dict) and isinstance(extra, dict) and isinstance(ring, list)
+            and all(isinstance(r, str) for r in ring)):
+        raise _bad(key, "master, ring or extra of the wrong type")
+    return Assignment(n, rank, world, master, tuple(ring), extra)
 
 
 def _dump(body: dict[str, Any], signer: Signer = _OPEN, key: str = "") -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 from ..store import StoreClosed, StoreError, StoreTimeout, StoreUnreachable
@@ -41,17 +42,16 @@ class MembershipWatch:
         self._strangers: set[int] = set()  # slots of round+1 that never wake us (strangers, spares)
         # A full round is not re-formed for a newcomer: it waits as a spare (decide.held) until
         # a member is lost or leaves; only a member's own arrival for the next round wakes us.
-        self._full = len(info.members) >= handler.config.max_nodes
-        self._members = {m.node_id for m in info.members}
+        self._full = info.world_size >= handler.config.max_nodes
         self.store_error: StoreError | None = None
         self.changed = threading.Event()
         self._handler = handler
         self._store = handler.store.clone()
         self._stop = threading.Event()
-        members = sorted(info.members, key=lambda m: m.rank)
-        me = next(i for i, m in enumerate(members) if m.node_id == handler.node_id)
-        picks = [members[(me + k) % len(members)] for k in range(1, successors + 1)]
-        self._watched = {m.node_id: m.rank for m in picks if m.node_id != handler.node_id}
+        # The ring successors come with this node's assignment (no member list is read).
+        ring = info.ring[:successors]
+        self._watched = {node: (info.rank + k) % max(info.world_size, 1) for k, node in enumerate(ring, 1)
+                         if node != handler.node_id}
         self._thread = threading.Thread(target=self._run, name=f"elastictk-watch-r{info.round}", daemon=True)
         self._thread.start()
         self._fence_thread = threading.Thread(target=self._fence, name=f"elastictk-fence-r{info.round}", daemon=True)
@@ -205,10 +205,20 @@ class MembershipWatch:
             node_id = decode_node(f"{self._handler.prefix}/{slot_key(n, seq)}", raw, self._handler.signer).node_id
         except RendezvousError:
             return False  # garbage without a token: the next round's closer names it
-        if node_id in self._members:
+        if node_id in self._members:  # the member list is read only here: a spare came to a full round
             return True
         log.debug("node %s arrived for round %d as a spare: the running round is full", node_id, n)
         return False
+
+    @cached_property
+    def _members(self) -> set[str]:
+        """The round's members, read on this thread's own connection (the handler's is the
+        agent's, and a store client is not shared by threads that block)."""
+        if "members" in self.info.__dict__:  # already read by the agent
+            return {m.node_id for m in self.info.members}
+        key = round_key(self.info.round, "result")
+        result = self._handler._decode_result(key, self._store.try_get(key))
+        return set() if result is None else {m.node_id for m in result.members}
 
     @property
     def cause(self) -> str:

@@ -37,7 +37,7 @@ import signal
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -45,7 +45,8 @@ from . import layout as L
 from .boot import worker_env
 from .expiry import Expiry, report_file, write_report
 from ..lifetime.handle import ProcessHandle
-from ..lifetime.procfs import in_tree, signal_state
+from ..lifetime.procfs import in_tree
+from .dumps import Dump, await_dumps, open_stacks, read_dump, signal_dump
 from .stacks import culprit, parse
 from ..lifetime.ready import readable
 
@@ -57,7 +58,6 @@ _HEAD = 8
 _HEAD_ARRAY = struct.Struct(f"@{_HEAD}Q")
 _ZERO_SLOTS = bytes(L.TABLE_OFFSET - L.SLOTS_OFFSET)
 _ZERO_TAIL = bytes(L.TABLE_OFFSET - L.SLOTS_OFFSET - 8 * _HEAD)
-_POLL = 0.001  # how often the dump wait looks at the worker
 
 
 @dataclass
@@ -74,19 +74,11 @@ class _Worker:
 @dataclass
 class _Victim:
     worker: _Worker
-    target: ProcessHandle
     expired: list[tuple[int, int]]  # (scope id, deadline ns), earliest first
     armed: list[tuple[int, int]]
     names: list[str]
     main_thread: int
-    stacks_fd: Optional[int] = None
-    blocked_before: Optional[frozenset[int]] = None  # threads that blocked the dump signal
-    size0: int = 0
-    last_size: int = 0
-    last_change: float = 0.0
-    note: str = ""
-    done: bool = False
-    text: str = field(default="", repr=False)
+    dump: Dump
 
 
 class TimerServer:
@@ -206,7 +198,7 @@ class TimerServer:
         with self._lock:
             if self._closed:
                 return out
-            victims: list[_Victim] = []
+            dumps: dict[int, Dump] = {}
             for lr in sorted(self._workers) if local_ranks is None else local_ranks:
                 w = self._workers.get(lr)
                 if w is None:
@@ -219,25 +211,15 @@ class TimerServer:
                 if target is None or target.exited() or target.state() in ("T", "t", None):
                     out[lr] = (w.handle.pid, "", "stopped or gone: cannot run a signal handler")
                     continue
-                v = _Victim(w, target, [], [], names, thread)
-                self._open_stacks(v, stacks_fd)
-                if v.stacks_fd is None:
-                    out[lr] = (target.pid, "", v.note)
+                d = open_stacks(target, stacks_fd)
+                if d.stacks_fd is None:
+                    out[lr] = (target.pid, "", d.note)
                     continue
-                state = signal_state(target.pid, self.dump_signal)
-                v.blocked_before = None if state is None else state[1]
-                target.send(self.dump_signal)
-                victims.append(v)
-            self._await_dumps(victims)
-            for v in victims:
-                try:
-                    size = os.fstat(v.stacks_fd).st_size  # type: ignore[arg-type]
-                    text = os.pread(v.stacks_fd, max(0, size - v.size0), v.size0).decode(  # type: ignore[arg-type]
-                        "utf-8", "replace")
-                finally:
-                    os.close(v.stacks_fd)  # type: ignore[arg-type]
-                    v.stacks_fd = None
-                out[v.worker.local_rank] = (v.target.pid, text, v.note)
+                signal_dump(d, self.dump_signal)
+                dumps[lr] = d
+            await_dumps(list(dumps.values()), self.dump_signal, self.dump_timeout, self.dump_quiet)
+            for lr, d in dumps.items():
+                out[lr] = (d.target.pid, read_dump(d), d.note)
         return out
 
     def expiries(self) -> list[Expiry]:
@@ -405,96 +387,28 @@ class TimerServer:
                             "was registered (start time changed)", w.local_rank, target.pid)
                 w.done = True
                 continue
-            v = _Victim(w, target, expired, armed, names, thread)
-            self._open_stacks(v, stacks_fd)
-            victims.append(v)
+            victims.append(_Victim(w, expired, armed, names, thread, open_stacks(target, stacks_fd)))
         if not victims:
             return
         for v in victims:
             v.worker.done = True
-            if v.stacks_fd is None:
-                continue
-            state = signal_state(v.target.pid, self.dump_signal)
-            v.blocked_before = None if state is None else state[1]
-            v.target.send(self.dump_signal)
-            if v.target.state() in ("T", "t"):
-                v.target.send(signal.SIGCONT)  # a stopped process runs no handler
-        self._await_dumps(victims)
+            if v.dump.stacks_fd is not None:
+                signal_dump(v.dump, self.dump_signal, resume=True)
+        await_dumps([v.dump for v in victims], self.dump_signal, self.dump_timeout, self.dump_quiet)
         for v in victims:
             self._finish(v, now)
 
-    def _open_stacks(self, v: _Victim, stacks_fd: int) -> None:
-        """Open the owner's stack memfd ourselves: it then outlives the SIGKILL."""
-        path = L.stacks_path(v.target.pid, stacks_fd)
-        try:
-            if not os.readlink(path).startswith(f"/memfd:{L.STACKS_MEMFD_NAME}"):
-                v.note = f"fd {stacks_fd} of pid {v.target.pid} is no longer the stack dump file"
-                return
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            v.note = f"cannot open the stack dump of pid {v.target.pid}: {e.strerror}"
-            return
-        v.stacks_fd = fd
-        v.size0 = v.last_size = os.fstat(fd).st_size
-
-    def _await_dumps(self, victims: list[_Victim]) -> None:
-        """Until every dump is complete, the process died, or ``dump_timeout`` passed.
-
-        Complete means the handler returned (see ``proc.signal_state``); where ``/proc`` cannot
-        tell, or a thread that blocks the signal appeared meanwhile, a dump that grew and then
-        stayed unchanged for ``dump_quiet`` counts as complete.
-        """
-        start = time.monotonic()
-        for v in victims:
-            v.last_change = start
-            v.done = v.stacks_fd is None
-        while not all(v.done for v in victims):
-            if time.monotonic() - start >= self.dump_timeout:
-                for v in victims:
-                    if not v.done and v.last_size == v.size0:
-                        v.note = f"no stack dump within {self.dump_timeout:g} s"
-                break
-            time.sleep(_POLL)
-            now = time.monotonic()
-            for v in victims:
-                if not v.done:
-                    self._check_dump(v, now)
-
-    def _check_dump(self, v: _Victim, now: float) -> None:
-        size = os.fstat(v.stacks_fd).st_size  # type: ignore[arg-type]
-        if size != v.last_size:
-            v.last_size, v.last_change = size, now
-        if v.target.exited():
-            v.done = True
-            if size == v.size0:
-                v.note = "the process exited before it dumped its stacks"
-            return
-        if v.blocked_before is not None:
-            state = signal_state(v.target.pid, self.dump_signal)
-            if state is not None and not state[0] and not (state[1] - v.blocked_before):
-                v.done = True
-                return
-        if size > v.size0 and now - v.last_change >= self.dump_quiet:
-            v.done = True
-
     def _finish(self, v: _Victim, now: int) -> None:
-        w = v.worker
-        if v.stacks_fd is not None:
-            try:
-                size = os.fstat(v.stacks_fd).st_size
-                v.text = os.pread(v.stacks_fd, max(0, size - v.size0), v.size0).decode(
-                    "utf-8", "replace")
-            finally:
-                os.close(v.stacks_fd)
-                v.stacks_fd = None
+        w, d = v.worker, v.dump
+        text = read_dump(d)
         sid, deadline = v.expired[0]
         scope = _name(v.names, sid)
-        _, frame = culprit(parse(v.text), scope, v.main_thread)
+        _, frame = culprit(parse(text), scope, v.main_thread)
         expiry = Expiry(
-            local_rank=w.local_rank, rank=w.rank, pid=v.target.pid, scope=scope,
+            local_rank=w.local_rank, rank=w.rank, pid=d.target.pid, scope=scope,
             deadline=deadline / 1e9, detected_at=now / 1e9, wall_time=time.time(),
-            where=frame.short() if frame is not None else None, stacks=v.text,
-            stacks_note=v.note or ("" if v.text.strip() else "the stack dump was empty"),
+            where=frame.short() if frame is not None else None, stacks=text,
+            stacks_note=d.note or ("" if text.strip() else "the stack dump was empty"),
             held=tuple((_name(v.names, s), (now - d) / 1e9) for s, d in v.armed),
             report_path=str(report_file(w.report_dir)) if w.report_dir is not None else None,
         )
@@ -507,7 +421,7 @@ class TimerServer:
                 self._on_expiry(expiry)
             except Exception:  # noqa: BLE001 - the kill below must happen regardless
                 log.exception("on_expiry callback failed")
-        if v.target.send(signal.SIGKILL):
+        if d.target.send(signal.SIGKILL):
             self.stats["killed"] += 1
         if w.report_dir is not None:
             try:

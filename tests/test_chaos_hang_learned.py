@@ -8,7 +8,8 @@ from pathlib import Path
 
 from elastictk.agent.pace import FLOOR
 from elastictk.chaos.cli import hang_watchdog
-from elastictk.chaos.report import FaultRow, _hangs_caught
+from elastictk.chaos.checks import _hangs_caught
+from elastictk.chaos.rows import FaultRow
 from elastictk.chaos.runner import RunRecord
 from elastictk.cli import parse_args
 from elastictk.metrics.events import Event

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from elastictk.chaos import report as creport
+from elastictk.chaos import checks as cchecks
+from elastictk.chaos import rows as crows
 from elastictk.chaos.cli import build_plan, parse
 from elastictk.chaos.runner import RunRecord
 from elastictk.faults import Fault, generate_plan, plan_of
@@ -102,14 +102,14 @@ def test_why_a_fault_did_not_fire_from_the_record() -> None:
     rec = RunRecord(argv=[], started=0.0, ended=10.0, ranks_seen={0, 1},
                     progress=[{"progress": "first", "source": "auto", "step": 1, "rank": 0, "node": 0,
                                "attempt": 0}])
-    assert creport.why_unfired(Fault.of("sigkill", "rank:5", at_step=3), 0, rec).startswith(
+    assert crows.why_unfired(Fault.of("sigkill", "rank:5", at_step=3), 0, rec).startswith(
         "the target rank never existed: the job ran ranks 0..1")
     later = plan_of([Fault.of("sigkill", "rank:0", at_step=3), Fault.of("sigkill", "rank:1", at_step=6)])
-    assert "planned in attempt 1, and the job ended in attempt 0" in creport.why_unfired(later.faults[1], 1, rec)
-    assert creport.why_unfired(Fault.of("sigkill", "rank:0", at_s=30), 0, rec).startswith("the job ended first")
-    rows = creport.fault_rows(later, rec)
+    assert "planned in attempt 1, and the job ended in attempt 0" in crows.why_unfired(later.faults[1], 1, rec)
+    assert crows.why_unfired(Fault.of("sigkill", "rank:0", at_s=30), 0, rec).startswith("the job ended first")
+    rows = crows.fault_rows(later, rec)
     assert [r.why is not None for r in rows] == [True, True]
-    assert not creport._fired(rows, False).ok and creport._fired(rows, True).ok
+    assert not cchecks._fired(rows, False).ok and cchecks._fired(rows, True).ok
 
 
 def test_an_explicit_straggler_duration_is_used_as_given() -> None:
@@ -272,7 +272,7 @@ def test_a_hang_in_a_ddp_script_is_caught_named_and_recovered(tmp_path: Path) ->
 
 
 def test_an_in_place_recovery_that_falls_back_to_restart_all_is_one_restart() -> None:
-    from elastictk.chaos.report import restarts_of
+    from elastictk.chaos.rows import restarts_of
     from elastictk.chaos.runner import RunRecord
     from elastictk.metrics.events import Event
 
@@ -284,7 +284,8 @@ def test_an_in_place_recovery_that_falls_back_to_restart_all_is_one_restart() ->
 
 
 def test_a_hang_no_watchdog_caught_or_one_blaming_another_rank_breaks_the_check() -> None:
-    from elastictk.chaos.report import FaultRow, _hangs_caught
+    from elastictk.chaos.checks import _hangs_caught
+    from elastictk.chaos.rows import FaultRow
     from elastictk.chaos.runner import RunRecord
     from elastictk.metrics.events import Event
 

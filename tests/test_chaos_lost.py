@@ -12,7 +12,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastictk.chaos import checks as cchecks
 from elastictk.chaos import report as creport
+from elastictk.chaos import rows as crows
 from elastictk.chaos.lost import lost_steps
 from elastictk.chaos.runner import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
@@ -38,7 +40,7 @@ for i in range(40):
 
 
 def _record(first_next: dict[str, Any], fault: dict[str, Any], stdout_word: str,
-            restored: list[dict[str, Any]] = ()) -> tuple[RunRecord, list[creport.FaultRow]]:
+            restored: list[dict[str, Any]] = ()) -> tuple[RunRecord, list[crows.FaultRow]]:
     """One sigkill of rank 0 at step 16 in attempt 0, the job restarted once; ``steps`` (what
     the script printed) says the job went back to 1 when it printed "step N" lines."""
     plan = plan_of([Fault.of("sigkill", "rank:0", at_step=16)])
@@ -55,10 +57,10 @@ def _record(first_next: dict[str, Any], fault: dict[str, Any], stdout_word: str,
                     progress=[{"progress": "first", "rank": 0, "attempt": 0, "pid": 11, **first_next,
                                "step": 1 if first_next.get("source") == "auto" else 0},
                               {"progress": "first", "rank": 0, "attempt": 1, "pid": 12, **first_next}])
-    return rec, creport.fault_rows(plan, rec)
+    return rec, crows.fault_rows(plan, rec)
 
 
-def _verdict(rec: RunRecord, rows: list[creport.FaultRow]) -> creport.Check:
+def _verdict(rec: RunRecord, rows: list[crows.FaultRow]) -> cchecks.Check:
     checks = creport.check(plan_of([Fault.of("sigkill", "rank:0", at_step=16)]), rec, rows,
                            max_restarts=3, ckpt_every=5)
     return next(c for c in checks if c.name == CHECK)
@@ -170,7 +172,7 @@ def test_a_fault_in_a_restored_process_counts_from_its_restore_point() -> None:
     rec = RunRecord(argv=[], started=0.0, ended=9.0, exit_code=0, events=ev,
                     injections=[Injection(0, "sigkill", "rank:0", 3.0, 21, 18)],
                     fault_lines=[{**fault, "monotonic": 3.0}], restored=restored, progress=progress)
-    rows = creport.fault_rows(plan, rec)
+    rows = crows.fault_rows(plan, rec)
     assert rows[0].lost_steps == 8
     verdict = next(c for c in creport.check(plan, rec, rows, max_restarts=3, ckpt_every=5) if c.name == CHECK)
     assert not verdict.ok and "#0 sigkill lost 8 step(s)" in verdict.detail

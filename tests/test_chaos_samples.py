@@ -169,13 +169,14 @@ def test_an_unknown_data_verdict_fails_the_reports_check() -> None:
     "off" (the dataset too big to record) has no evidence, so its check fails, shown [UNKNOWN]
     (not judged, which is not [ok] and not [BROKEN] either)."""
     from elastictk.chaos import report
+    from elastictk.chaos import rows as crows
     from elastictk.chaos.runner import RunRecord
     from elastictk.faults import plan_of
 
     off = {"data": "off", "rank": 0, "why": "the dataset has 70000 samples, more than the 65536 recorded"}
     rec = RunRecord(argv=[], started=0.0, ended=1.0, exit_code=0, data=[off])
     plan = plan_of([])
-    rows = report.fault_rows(plan, rec)
+    rows = crows.fault_rows(plan, rec)
     checks = report.check(plan, rec, rows, max_restarts=0)
     (data,) = [c for c in checks if c.name == samples.NAME]
     assert not data.ok and data.detail.startswith("unknown: rank 0 recorded no batches")

@@ -16,7 +16,9 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastictk.chaos import checks as cchecks
 from elastictk.chaos import report as creport
+from elastictk.chaos import rows as crows
 from elastictk.chaos.expect import Shape, short_of_nodes
 from elastictk.chaos.runner import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
@@ -26,29 +28,29 @@ from elastictk.metrics.events import Event
 def test_an_interrupted_run_says_interrupted_not_that_the_script_reports_no_steps() -> None:
     step = Fault.of("sigkill", "rank:0", at_step=30)
     rec = RunRecord(argv=[], started=0.0, ended=3.0, stopped="SIGINT", clock=1.0)
-    why = creport.why_unfired(step, 0, rec)
+    why = crows.why_unfired(step, 0, rec)
     assert why.startswith("the run was interrupted (SIGINT) 2.0s in, before any worker reported a step"), why
     rec.progress = [{"progress": "first", "source": "auto", "step": 4, "rank": 0, "attempt": 0}]
-    assert "at step 4" in creport.why_unfired(step, 0, rec)
+    assert "at step 4" in crows.why_unfired(step, 0, rec)
     timed = Fault.of("sigkill", "rank:0", at_s=10)
-    assert "interrupted (its --timeout)" in creport.why_unfired(
+    assert "interrupted (its --timeout)" in crows.why_unfired(
         timed, 0, RunRecord(argv=[], started=0.0, ended=5.0, stopped="timeout"))
     # not stopped: the script's own reason, as before
-    assert "reports no steps" in creport.why_unfired(step, 0, RunRecord(argv=[], started=0.0, ended=3.0))
+    assert "reports no steps" in crows.why_unfired(step, 0, RunRecord(argv=[], started=0.0, ended=3.0))
 
 
-def _rows(fired: list[bool], attempts: list[int]) -> list[creport.FaultRow]:
-    return [creport.FaultRow(i, "sigkill", "rank:1", f"step {3 * i}", f, True, attempt=a,
+def _rows(fired: list[bool], attempts: list[int]) -> list[crows.FaultRow]:
+    return [crows.FaultRow(i, "sigkill", "rank:1", f"step {3 * i}", f, True, attempt=a,
                              why=None if f else f"the step was never reached: planned in attempt {a}")
             for i, (f, a) in enumerate(zip(fired, attempts))]
 
 
 def test_a_fault_planned_past_the_budget_fails_the_fired_check_naming_the_budget() -> None:
     rows = _rows([True, True, False], [0, 1, 2])
-    got = creport._fired(rows, False, {2}, max_restarts=1)
+    got = cchecks._fired(rows, False, {2}, max_restarts=1)
     assert not got.ok and "past --max-restarts 1" in got.detail and "plan at most 2" in got.detail
-    assert creport._fired(rows, True, {2}, max_restarts=1).ok  # --allow-unfired
-    assert creport._fired(_rows([True, True], [0, 1]), False, set(), max_restarts=1).ok
+    assert cchecks._fired(rows, True, {2}, max_restarts=1).ok  # --allow-unfired
+    assert cchecks._fired(_rows([True, True], [0, 1]), False, set(), max_restarts=1).ok
 
 
 def _three_nodes(second_kill: float) -> tuple[RunRecord, Shape, object]:
@@ -70,13 +72,13 @@ SEEN = "each lost node is seen by every survivor, and they re-form without it"
 
 def test_the_second_of_two_close_agent_kills_is_a_victim_not_a_deaf_survivor() -> None:
     rec, shape, plan = _three_nodes(10.7)
-    rows = creport.fault_rows(plan, rec, shape)  # type: ignore[arg-type]
+    rows = crows.fault_rows(plan, rec, shape)  # type: ignore[arg-type]
     checks = {c.name: c for c in creport.check(plan, rec, rows, max_restarts=3, shape=shape)}  # type: ignore[arg-type]
     assert checks[SEEN].ok, checks[SEEN].detail
     # killed long after it had to notice (first reaction 12.0 + heartbeat timeout 5): deaf, named
     rec, shape, plan = _three_nodes(30.0)
     rec.events.insert(3, Event("workers_stopped", {"node": 2}, mono=29.0))
-    rows = creport.fault_rows(plan, rec, shape)  # type: ignore[arg-type]
+    rows = crows.fault_rows(plan, rec, shape)  # type: ignore[arg-type]
     checks = {c.name: c for c in creport.check(plan, rec, rows, max_restarts=3, shape=shape)}  # type: ignore[arg-type]
     assert not checks[SEEN].ok and "node(s) 2 never noticed" in checks[SEEN].detail, checks[SEEN].detail
 
@@ -95,7 +97,7 @@ def test_a_plan_short_of_nodes_says_what_the_job_waits_for(nodes: int, min_nodes
 
 
 def test_what_could_not_be_judged_is_one_line_each() -> None:
-    row = creport.FaultRow(0, "sigkill", "rank:1", "step 2", True, True, injected_at=1.0, detected_after=0.1,
+    row = crows.FaultRow(0, "sigkill", "rank:1", "step 2", True, True, injected_at=1.0, detected_after=0.1,
                            running_after=0.2, lost_why="rank 1 recorded no State.restore() in attempt 1")
     tot = {"faults_planned": 1, "faults_fired": 1, "exit_code": 0, "wall_s": 3.0, "restarts": 1,
            "recovery_mean_s": 0.2, "recovery_max_s": 0.2, "goodput": 0.5, "running_share": 0.5,
@@ -144,16 +146,16 @@ def test_a_check_the_records_cannot_judge_reads_unknown_and_does_not_pass() -> N
     """An unknown loss fails the checkpoint check as [UNKNOWN]; a loss over the interval beside
     it is [BROKEN] (a real failure outranks not knowing)."""
     plan = plan_of([Fault.of("sigkill", "rank:1", at_step=2), Fault.of("sigkill", "rank:1", at_step=5)])
-    rows = [creport.FaultRow(i, "sigkill", "rank:1", f"step {s}", True, True, injected_at=1.0 + i,
+    rows = [crows.FaultRow(i, "sigkill", "rank:1", f"step {s}", True, True, injected_at=1.0 + i,
                              detected_after=0.1, running_after=0.2, lost_steps=lost, lost_why=why)
             for i, (s, lost, why) in enumerate([(2, None, "no State.restore()"), (5, 1, None)])]
     rec = RunRecord(argv=[], started=0.0, ended=9.0, exit_code=0)
     ckpt = next(c for c in creport.check(plan, rec, rows, max_restarts=3, ckpt_every=1)
                 if c.name.startswith("progress lost"))
-    assert not ckpt.ok and ckpt.unknown and creport.label(ckpt) == "UNKNOWN", ckpt
+    assert not ckpt.ok and ckpt.unknown and cchecks.label(ckpt) == "UNKNOWN", ckpt
     rows[1] = dataclasses.replace(rows[1], lost_steps=4)
     ckpt = next(c for c in creport.check(plan, rec, rows, max_restarts=3, ckpt_every=1)
                 if c.name.startswith("progress lost"))
-    assert not ckpt.ok and not ckpt.unknown and creport.label(ckpt) == "BROKEN", ckpt
-    snap = creport._snapshot_check(rows[:1], ("local",), 10)
+    assert not ckpt.ok and not ckpt.unknown and cchecks.label(ckpt) == "BROKEN", ckpt
+    snap = cchecks._snapshot_check(rows[:1], ("local",), 10)
     assert not snap.ok and snap.unknown and "no State.restore()" in snap.detail

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastictk.chaos import report as chaos_report
+from elastictk.chaos import rows as crows
 from elastictk.faults import Fault, plan_of
 from elastictk.metrics import AgentMetrics, read_events
 from elastictk.metrics.recovery import MARKS, NAMES, phases_ms, steps_redone, summary_line
@@ -92,10 +93,10 @@ def test_goodput_does_not_count_redone_steps_as_useful() -> None:
 
 
 def test_the_chaos_table_has_a_column_per_phase_and_a_median_line() -> None:
-    row = chaos_report.FaultRow(0, "sigkill", "rank:1", "step 3", True, True, injected_at=1.0,
+    row = crows.FaultRow(0, "sigkill", "rank:1", "step 3", True, True, injected_at=1.0,
                                 phases_ms={"detect": 1.0, "stop": 12.0, "rendezvous": 4.0, "start": 15.0,
                                            "restore": 49.0, "first_step": 12.0})
-    plain = chaos_report.FaultRow(1, "exit:3", "rank:0", "step 7", True, True, injected_at=2.0)
+    plain = crows.FaultRow(1, "exit:3", "rank:0", "step 7", True, True, injected_at=2.0)
     tot = {"exit_code": 0, "wall_s": 3.0, "faults_fired": 2, "faults_planned": 2, "restarts": 1,
            "recovery_mean_s": 0.1, "recovery_max_s": 0.1, "goodput": 0.5, "running_share": 0.9,
            "steps_lost": 0, "checksum": None, "recovery_phases_ms": {"detect": 1.0, "restore": 49.0},

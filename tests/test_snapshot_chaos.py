@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from elastictk.chaos import report as creport
+from elastictk.chaos import checks as cchecks
+from elastictk.chaos import rows as crows
 from elastictk.chaos.expect import Shape
 from elastictk.chaos.runner import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
@@ -82,15 +82,15 @@ def test_a_chaos_run_with_snapshots_judges_steps_lost_against_the_interval(
 
 
 def test_the_bound_is_that_of_the_tier_that_survives_the_fault() -> None:
-    assert creport.snapshot_bound("sigkill", ("local",), 10) == 1
-    assert creport.snapshot_bound("sigkill", ("disk",), 10) == 10
-    assert creport.snapshot_bound("kill-agent", ("local", "disk"), 5) == 5  # memory died with it
-    assert creport.snapshot_bound("kill-agent", ("local",), 5) is None
-    assert creport.snapshot_bound("sigkill", ("local",), 10, overlap=True) == 2  # a fault mid-copy
-    assert creport.snapshot_bound("kill-agent", ("local", "disk"), 5, overlap=True) == 6
+    assert cchecks.snapshot_bound("sigkill", ("local",), 10) == 1
+    assert cchecks.snapshot_bound("sigkill", ("disk",), 10) == 10
+    assert cchecks.snapshot_bound("kill-agent", ("local", "disk"), 5) == 5  # memory died with it
+    assert cchecks.snapshot_bound("kill-agent", ("local",), 5) is None
+    assert cchecks.snapshot_bound("sigkill", ("local",), 10, overlap=True) == 2  # a fault mid-copy
+    assert cchecks.snapshot_bound("kill-agent", ("local", "disk"), 5, overlap=True) == 6
 
 
-def _kill_agent_run(resumed_at: int) -> tuple[RunRecord, list[creport.FaultRow]]:
+def _kill_agent_run(resumed_at: int) -> tuple[RunRecord, list[crows.FaultRow]]:
     """Two nodes; node 1's agent killed at t=3 after step 8; node 0's workers fail in a collective
     and every worker starts again at t=5, printing ``resumed_at + 1`` first."""
     plan = plan_of([Fault.of("kill-agent", "node:1", at_s=3.0)])
@@ -102,7 +102,7 @@ def _kill_agent_run(resumed_at: int) -> tuple[RunRecord, list[creport.FaultRow]]
     rec = RunRecord(argv=[], started=0.0, ended=9.0, exit_code=0, events=ev, nodes=2,
                     injections=[Injection(0, "kill-agent", "node:1", 3.0, None, how="outside")],
                     steps=[(2.0, 7), (2.9, 8), (5.5, resumed_at + 1), (6.0, resumed_at + 2)])
-    rows = creport.fault_rows(plan, rec, Shape(2, 1, "c10d", 3, 10.0, rejoin=True))
+    rows = crows.fault_rows(plan, rec, Shape(2, 1, "c10d", 3, 10.0, rejoin=True))
     return rec, rows
 
 
@@ -112,5 +112,5 @@ def test_kill_agent_faults_lose_an_unknown_number_of_steps_and_fail_the_check() 
     for resumed_at in (5, 0):
         rec, rows = _kill_agent_run(resumed_at=resumed_at)
         assert rows[0].outcome == "restart" and rows[0].lost_steps is None
-        bad = creport._snapshot_check(rows, ("local", "disk"), 5)
+        bad = cchecks._snapshot_check(rows, ("local", "disk"), 5)
         assert not bad.ok and "#0 kill-agent lost an unknown number of step(s)" in bad.detail

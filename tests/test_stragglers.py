@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from hypothesis import example, given, strategies as st
 
 from elastictk.agent.stragglers import Flagger, RankWindow, Score, score_window
-from elastictk.chaos.report import FaultRow, _stragglers, straggler_settings
+from elastictk.chaos.checks import _stragglers, straggler_settings
+from elastictk.chaos.rows import FaultRow
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = ROOT / "tests" / "helpers" / "straggler_loop.py"

@@ -39,6 +39,8 @@ from .cluster import BACKENDS
 from .expect import Shape, short_of_nodes
 from .flags import MAX_REPORT_BYTES, FlagError, check_flags, check_never, in_flag_terms, report_dir, window
 from .multinode import run_nodes
+from .replay import load_replay, replay_multinode
+from .rows import fault_rows, restarts_of
 from .runner import (
     OUTSIDE_SIGNALS, RunRecord, Stopped, keep_output, make_run_dir, owning_signals, run_job, stopped_by,
 )
@@ -226,7 +228,7 @@ class Progress:
 
     def __call__(self, rec: RunRecord) -> None:
         now = self.clock()
-        restarts = report.restarts_of(rec)
+        restarts = restarts_of(rec)
         step = max((s for _, s in rec.steps), default=0)
         fired = len({i.fault for i in rec.injections})
         line = (f"{PROG}: {now - rec.started:5.1f}s  step {step}  faults {fired}/"
@@ -279,11 +281,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if ns.replay:  # another user's, nested, huge or not UTF-8: one line before it is read
             replay_owned(ns.replay)
             read_json(ns.replay, "the chaos report", max_bytes=MAX_REPORT_BYTES, allow_nan=True)
-        replay = report.load_replay(ns.replay) if ns.replay else None
+        replay = load_replay(ns.replay) if ns.replay else None
         if replay is not None:
             plan, rlaunch, rcommand = replay
             launcher, command = launcher or rlaunch, command or rcommand
-            multi = report.replay_multinode(ns.replay, MAX_NODES)
+            multi = replay_multinode(ns.replay, MAX_NODES)
             if multi is not None and ns.nodes == 1:
                 ns.nodes, ns.rejoin = multi["nodes"], multi["rejoin_s"]
         check_nodes(ns, launcher)
@@ -359,7 +361,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"{PROG}: interrupted by {signal.Signals(interrupted).name}: a partial report of what "
               f"ran for {rec.ended - rec.started:.1f}s follows; its checks say nothing of the whole job",
               file=sys.stderr)
-    rows = report.fault_rows(plan, rec, shape)
+    rows = fault_rows(plan, rec, shape)
     checks = report.check(plan, rec, rows, max_restarts=config.max_restarts, ckpt_every=ns.ckpt_every,
                           expect_checksum=expect, shape=shape, nproc=int(config.nproc_per_node),
                           allow_unfired=ns.allow_unfired, snapshot=tuple(config.snapshot),

@@ -30,7 +30,8 @@ from tests.helpers.netns import Hosts, kill_tree, leftover_namespaces, netns_wor
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "helpers" / "data_train.py"
-CONF = "last_call_timeout=1,heartbeat_interval=0.3,heartbeat_timeout=4,join_timeout=60"  # slack for a loaded machine
+# join_timeout 600: a node waits for the other's start-up, which took 30-140 s at a load average of 15-20
+CONF = "last_call_timeout=1,heartbeat_interval=0.3,heartbeat_timeout=4,join_timeout=600"
 PORT = 29400
 SAMPLES, BATCH, EPOCHS = 108, 6, 2
 

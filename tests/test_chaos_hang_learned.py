@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from elastictk.agent.pace import FLOOR
-from elastictk.chaos.cli import hang_watchdog
+from elastictk.chaos.jobplan import hang_watchdog
 from elastictk.chaos.checks import _hangs_caught
 from elastictk.chaos.rows import FaultRow
-from elastictk.chaos.runner import RunRecord
+from elastictk.chaos.record import RunRecord
 from elastictk.cli import parse_args
 from elastictk.metrics.events import Event
 

@@ -16,8 +16,9 @@ import psutil
 import pytest
 from elastictk.chaos import checks as cchecks
 from elastictk.chaos import rows as crows
-from elastictk.chaos.cli import build_plan, parse
-from elastictk.chaos.runner import RunRecord
+from elastictk.chaos.cli import parse
+from elastictk.chaos.jobplan import build_plan
+from elastictk.chaos.record import RunRecord
 from elastictk.faults import Fault, generate_plan, plan_of
 from tests.helpers.chaosrun import chaos, report
 
@@ -273,7 +274,7 @@ def test_a_hang_in_a_ddp_script_is_caught_named_and_recovered(tmp_path: Path) ->
 
 def test_an_in_place_recovery_that_falls_back_to_restart_all_is_one_restart() -> None:
     from elastictk.chaos.rows import restarts_of
-    from elastictk.chaos.runner import RunRecord
+    from elastictk.chaos.record import RunRecord
     from elastictk.metrics.events import Event
 
     rec = RunRecord(argv=[], started=0.0)
@@ -286,7 +287,7 @@ def test_an_in_place_recovery_that_falls_back_to_restart_all_is_one_restart() ->
 def test_a_hang_no_watchdog_caught_or_one_blaming_another_rank_breaks_the_check() -> None:
     from elastictk.chaos.checks import _hangs_caught
     from elastictk.chaos.rows import FaultRow
-    from elastictk.chaos.runner import RunRecord
+    from elastictk.chaos.record import RunRecord
     from elastictk.metrics.events import Event
 
     row = FaultRow(0, "hang", "rank:1", "step 3", True, True, injected_at=1.0)

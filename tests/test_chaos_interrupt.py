@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictk.chaos.cli import Progress
-from elastictk.chaos.runner import Injection, RunRecord
+from elastictk.chaos.progress import Progress
+from elastictk.chaos.record import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
 
 # Counts steps forever (the chaos run must be interrupted to end), printing each one.

@@ -16,7 +16,7 @@ from elastictk.chaos import checks as cchecks
 from elastictk.chaos import report as creport
 from elastictk.chaos import rows as crows
 from elastictk.chaos.lost import lost_steps
-from elastictk.chaos.runner import Injection, RunRecord
+from elastictk.chaos.record import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
 from elastictk.faults.env import ENV_LOG
 from elastictk.inplace import state as state_mod

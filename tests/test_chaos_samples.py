@@ -170,7 +170,7 @@ def test_an_unknown_data_verdict_fails_the_reports_check() -> None:
     (not judged, which is not [ok] and not [BROKEN] either)."""
     from elastictk.chaos import report
     from elastictk.chaos import rows as crows
-    from elastictk.chaos.runner import RunRecord
+    from elastictk.chaos.record import RunRecord
     from elastictk.faults import plan_of
 
     off = {"data": "off", "rank": 0, "why": "the dataset has 70000 samples, more than the 65536 recorded"}
@@ -282,7 +282,7 @@ def test_a_soak_run_whose_report_never_judged_the_data_is_broken(tmp_path: Path)
 def test_the_fault_log_reader_survives_garbage_lines(junk: list[bytes], tmp_path_factory: Any) -> None:
     """The chaos runner reads the workers' fault log while they write it: lines of garbage
     (invalid UTF-8, deep nesting, NaN, huge numbers) are skipped, the good lines still read."""
-    from elastictk.chaos.runner import RunRecord, read_worker_records
+    from elastictk.chaos.record import RunRecord, read_worker_records
 
     log = tmp_path_factory.mktemp("log") / "faults.jsonl"
     good = json.dumps(GOOD[0]).encode()

@@ -77,7 +77,7 @@ def test_the_last_label_says_steps_run_where_only_optimizer_steps_were_counted()
     """The automatic count restarts at 0 in every process: a job resumed from step 10 that
     ended at step 40 counted 30 optimizer steps in its last process. That is no step number,
     so the label says how many steps that process ran; a script's own step keeps "step N"."""
-    from elastictk.chaos.runner import RunRecord
+    from elastictk.chaos.record import RunRecord
 
     exit_line = {"progress": "exit", "node": 0, "attempt": 1, "monotonic": 9.0}
     rec = RunRecord(argv=[], started=0.0, ended=10.0, progress=[

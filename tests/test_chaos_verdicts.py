@@ -20,7 +20,7 @@ from elastictk.chaos import checks as cchecks
 from elastictk.chaos import report as creport
 from elastictk.chaos import rows as crows
 from elastictk.chaos.expect import Shape, short_of_nodes
-from elastictk.chaos.runner import Injection, RunRecord
+from elastictk.chaos.record import Injection, RunRecord
 from elastictk.faults import Fault, plan_of
 from elastictk.metrics.events import Event
 

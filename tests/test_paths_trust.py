@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from elastictk import _paths
 from elastictk.chaos import cli as chaos_cli
 from elastictk.chaos import runner
+from elastictk.chaos.record import RunRecord
 from elastictk.cli import UsageError
 from elastictk.cli.preflight import check_event_log, check_log_dir
 from elastictk.faults import Fault, plan_of
@@ -159,7 +160,7 @@ def test_every_chaos_writer_replaces_a_planted_symlink_and_never_follows_it(
     for n in names:
         (out / n).symlink_to(victim)
     _paths.write_file(out / "chaos-report.json", "{}\n")
-    runner.keep_output(runner.RunRecord(argv=[], started=0.0, stdout="out\n", stderr="err\n"), out)
+    runner.keep_output(RunRecord(argv=[], started=0.0, stdout="out\n", stderr="err\n"), out)
     plan_of([Fault.of("exit:3", "rank:0", at_step=2)]).save(out / "chaos-plan.json")
     runner.fresh_log(out / "chaos-faults.jsonl")
     assert victim.read_text() == SECRET
@@ -194,7 +195,7 @@ def test_the_sitecustomize_lives_in_a_private_temp_dir_removed_at_the_end(tmp_pa
 def test_run_job_removes_the_site_dir_when_the_run_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str | None] = []
 
-    def failing(*args: object, site: str | None, **kw: object) -> runner.RunRecord:
+    def failing(*args: object, site: str | None, **kw: object) -> RunRecord:
         seen.append(site)
         assert site is not None and os.path.isfile(os.path.join(site, "sitecustomize.py"))
         raise OSError("the launcher could not start")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .rows import RUNNING_EVENTS, FaultRow, _first, launcher_flag
-from .runner import RunRecord
+from .record import RunRecord
 
 FIRED = "every planned fault fired"
 

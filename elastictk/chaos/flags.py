@@ -17,6 +17,8 @@ from typing import Optional
 
 from .._paths import Unsafe, make_own_dir
 
+PROG = "elastictk-chaos"
+
 #: ``--faults`` at most: each is a separate restart of the job; a plan of more is a typo.
 MAX_FAULTS = 1000
 #: ``--at-seconds`` at most (the generator's bound): about 30 years.
@@ -27,6 +29,11 @@ MAX_REPORT_BYTES = 256 << 20
 
 class FlagError(ValueError):
     """One line: the flag, its value, what is wrong and what to write instead."""
+
+
+class Usage(Exception):
+    """A command line that cannot run (no training command, a flag argparse refuses, a plan or
+    flags that do not fit the job): one line, exit 2."""
 
 
 def _seconds(flag: str, value: float, example: str) -> None:

@@ -35,9 +35,10 @@ from ..faults import FaultPlan
 from ..faults.env import private_site
 from ..metrics.events import read_events
 from .cluster import Cluster
-from .runner import OUTSIDE_SIGNALS, STEP_LINE, Injection, RunRecord, _descendants, _listening, \
-    _shm, fault_env, fresh_log, late, read_fault_log, read_worker_records, record_leaks, stop_requested, \
-    stopped_by
+from .leaks import _listening, _shm, record_leaks
+from .outside import OUTSIDE_SIGNALS, _descendants, late
+from .record import Injection, RunRecord, read_fault_log, read_worker_records
+from .runner import STEP_LINE, fault_env, fresh_log, stop_requested, stopped_by
 
 FULL_SIZE_WAIT = 60.0
 

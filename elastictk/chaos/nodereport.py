@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .expect import Expectation, Shape, long_outage
-from .runner import Injection, RunRecord
+from .record import Injection, RunRecord
 
 FAILURES = ("worker_failed", "peer_failed", "timer_expired")
 REACTIONS = FAILURES + ("membership_changed", "store_lost", "rendezvous_failed")

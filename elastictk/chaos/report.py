@@ -21,7 +21,7 @@ from .checks import (
 )
 from .expect import Shape, expect
 from .rows import FAILURE_EVENTS, RUNNING_EVENTS, FaultRow, episodes, restarts_of, watched
-from .runner import RunRecord
+from .record import RunRecord
 
 SCHEMA = "elastictk.chaos-report/1"
 

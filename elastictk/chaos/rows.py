@@ -15,7 +15,7 @@ from ..faults import FaultPlan
 from . import nodereport, phases
 from .expect import Shape
 from .lost import Lost, lost_steps
-from .runner import RunRecord
+from .record import RunRecord
 
 # A watchdog's verdict is the failure's detection: the kill (worker_failed) follows it.
 FAILURE_EVENTS = ("worker_failed", "peer_failed", "timer_expired", "hang_detected")

@@ -10,6 +10,9 @@ The runner owns the job: the launcher dies with it (``PR_SET_PDEATHSIG``, and th
 death watch then takes its workers), and SIGTERM, SIGINT or SIGHUP to this process (see
 :func:`owning_signals`) or the run's ``timeout`` stop the launcher with SIGTERM, then SIGKILL
 after a grace period.
+
+What the run records is ``record.py``'s, the signals of time faults ``outside.py``'s, what it
+left behind ``leaks.py``'s.
 """
 from __future__ import annotations
 
@@ -22,24 +25,19 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import psutil
-
 from .._paths import open_append, write_file
-from .._safejson import loads as safe_loads
 from ..faults import FaultPlan
 from ..faults.env import AUTO_OPTIMIZER, private_site, worker_env
-from ..lifetime import procfs
 from ..lifetime.reaper import dies_with_caller
 from ..metrics.events import read_events
+from .leaks import _listening, _shm, record_leaks
+from .outside import _inject_outside, late
+from .record import RunRecord, read_fault_log, read_worker_records
 
 STEP_LINE = re.compile(r"\bstep (\d+)\b")
-CHECKSUM_LINE = re.compile(r"final checksum (\S+)")
-OUTSIDE_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigsegv": signal.SIGSEGV,
-                   "hang": signal.SIGSTOP}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_GRACE_S = 30.0  # after SIGTERM, how long the launcher gets to stop its workers
 FIRST_WORKERS_WAIT = 120.0  # no workers by then: time faults count from then (they find no target)
@@ -78,62 +76,6 @@ def stopped_by() -> Optional[int]:
 def stop_requested() -> bool:
     return _stop.is_set()
 
-
-@dataclass
-class Injection:
-    """A fault that actually fired: from the worker's fault log or from the outside injector."""
-
-    fault: int
-    kind: str
-    target: str
-    mono: float
-    pid: Optional[int]
-    step: Optional[int] = None
-    how: str = "inside"  # inside (the worker's own checkpoint) | outside (a signal from here)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class RunRecord:
-    """Everything the report needs, in monotonic seconds of this host."""
-
-    argv: list[str]
-    started: float
-    ended: float = 0.0
-    exit_code: Optional[int] = None
-    stdout: str = ""
-    stderr: str = ""
-    injections: list[Injection] = field(default_factory=list)
-    progress: list[dict[str, Any]] = field(default_factory=list)  # the workers' progress lines
-    fault_lines: list[dict[str, Any]] = field(default_factory=list)  # the fault log's lines of fired faults
-    restored: list[dict[str, Any]] = field(default_factory=list)  # State.restore()'s lines (chaos/lost.py)
-    data: list[dict[str, Any]] = field(default_factory=list)  # batches trained (data/record.py, chaos/samples.py)
-    ranks_seen: set[int] = field(default_factory=set)  # global ranks that ever had a worker
-    unfired: dict[int, str] = field(default_factory=dict)  # fault index -> why the runner did not inject it
-    stopped: str = ""  # "timeout" or a signal name when the run was stopped
-    events: list[Any] = field(default_factory=list)
-    pids: set[int] = field(default_factory=set)
-    # (mono, step) of "step N" lines as they arrived: the live progress display only, never a verdict
-    steps: list[tuple[float, int]] = field(default_factory=list)
-    leaked_processes: list[str] = field(default_factory=list)
-    leaked_shm: list[str] = field(default_factory=list)
-    leaked_ports: list[str] = field(default_factory=list)
-    # multi-node runs (see .multinode): how many agents, over which store; every agent process
-    # ({node, agent, pid, exit, killed}); (mono, node) of each rejoin
-    nodes: int = 1
-    backend: str = ""
-    store_endpoint: str = ""
-    agents: list[dict[str, Any]] = field(default_factory=list)
-    rejoins: list[tuple[float, int]] = field(default_factory=list)
-    finished_somewhere: bool = False
-    clock: Optional[float] = None  # when time faults start counting: workers first ran (every node's)
-
-    @property
-    def checksum(self) -> Optional[str]:
-        found = CHECKSUM_LINE.findall(self.stdout)
-        return found[-1] if found else None
 
 
 def with_run_dir(command: Sequence[str], out_dir: Path, tag: str) -> list[str]:
@@ -286,30 +228,6 @@ def fault_env(plan: FaultPlan, out_dir: Path, tag: str, fault_log: Path,
                       auto=AUTO_OPTIMIZER if auto_steps else 0, site=site)
 
 
-def _fault_lines(fault_log: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if fault_log.exists():  # written by the workers: parsed as bytes from outside (_safejson)
-        for line in fault_log.read_bytes().splitlines():
-            try:
-                d = safe_loads(line)
-            except ValueError:
-                continue
-            if isinstance(d, dict):
-                out.append(d)
-    return out
-
-
-def read_fault_log(fault_log: Path) -> list[Injection]:
-    """The step faults the workers fired, from their fault log."""
-    return [Injection(int(d["fault"]), str(d["kind"]), str(d["target"]), float(d["monotonic"]),
-                      int(d["pid"]), d.get("step")) for d in _fault_lines(fault_log) if "fault" in d]
-
-
-def read_progress(fault_log: Path) -> list[dict[str, Any]]:
-    """The workers' ``progress`` lines (step source and step, at the first step and at exit)."""
-    return [d for d in _fault_lines(fault_log) if "progress" in d]
-
-
 def _read(stream: Any, sink: list[str], rec: Optional[RunRecord]) -> None:
     for line in iter(stream.readline, ""):
         sink.append(line)
@@ -334,98 +252,3 @@ def _refresh(rec: RunRecord, events: Path, fault_log: Path, launcher: int) -> No
     inside = [i for i in rec.injections if i.how == "outside"] + read_fault_log(fault_log)
     rec.injections = sorted(inside, key=lambda i: i.mono)
     read_worker_records(rec, fault_log)
-
-
-def read_worker_records(rec: RunRecord, fault_log: Path) -> None:
-    """The workers' own records from the fault log: progress, fired faults, restores."""
-    lines = _fault_lines(fault_log)
-    rec.progress = [d for d in lines if "progress" in d]
-    rec.fault_lines = [d for d in lines if "fault" in d]
-    rec.restored = [d for d in lines if "restored" in d]
-    rec.data = [d for d in lines if "data" in d]
-
-
-def _current_workers(rec: RunRecord) -> dict[int, int]:
-    """Global rank → PID of the attempt running now, from the last ``workers_started``."""
-    pids: dict[int, int] = {}
-    for e in rec.events:  # local rank == global rank on a single node
-        if e.kind == "workers_started":
-            pids = {int(k): int(v) for k, v in (e.fields.get("pids") or {}).items()}
-        elif e.kind == "inplace_recovery":  # in place: the replacements of the failed ranks
-            pids.update({int(k): int(v) for k, v in (e.fields.get("replaced") or {}).items()})
-    return pids
-
-
-#: A time fault whose target is not running when it is due (its workers are being restarted
-#: after an earlier fault, its round is re-forming) fires as soon as the target runs again,
-#: within this many seconds of the planned time; only then has it not fired. Under load a
-#: restart takes seconds, and a fault planned into that gap says nothing about the job.
-LATE_GRACE_S = 15.0
-
-
-def late(rec: RunRecord, fault: Any, now: float) -> bool:
-    """Whether a due time fault that found no target is past its grace."""
-    return now - (rec.clock if rec.clock is not None else rec.started) - float(fault.at_s or 0) > LATE_GRACE_S
-
-
-def _inject_outside(index: int, fault: Any, rec: RunRecord, launcher: int) -> Optional[Injection]:
-    """Send the signal of a time fault to its target, if the target is ours and alive."""
-    workers = _current_workers(rec)
-    rank = fault.target.index if fault.target.kind == "rank" else None
-    targets = list(workers.values()) if fault.target.kind == "node" else (
-        [workers[rank]] if rank in workers else [])
-    ours = _descendants(launcher)
-    sig = OUTSIDE_SIGNALS.get(fault.kind)
-    hit = [pid for pid in targets if pid in ours]
-    if sig is None or not hit:
-        at = time.monotonic() - (rec.clock if rec.clock is not None else rec.started)
-        rec.unfired[index] = (f"{fault.target} had no running worker at {at:.1f}s (ranks then: "
-                              f"{', '.join(map(str, sorted(workers))) or 'none'})")
-        return None
-    now = time.monotonic()
-    for pid in hit:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return Injection(index, fault.spec, str(fault.target), now, hit[0], how="outside")
-
-
-def _descendants(pid: int) -> set[int]:
-    return procfs.descendants(pid)
-
-
-def record_leaks(rec: RunRecord, shm_before: set[str], ports_before: dict[str, Optional[int]]) -> None:
-    """What the run left behind: its processes still alive, shared memory, listening ports."""
-    grace = time.monotonic() + 5  # workers die with their agent by a death signal: a moment
-    while _survivors(rec.pids) and time.monotonic() < grace:
-        time.sleep(0.05)
-    rec.leaked_processes = _survivors(rec.pids)
-    rec.leaked_shm = sorted(s for s in _shm() - shm_before if s.startswith(("elastictk", "etk")))
-    rec.leaked_ports = sorted(f"{addr} (pid {pid})" for addr, pid in _listening().items()
-                              if addr not in ports_before and pid in rec.pids)
-
-
-def _survivors(pids: set[int]) -> list[str]:
-    out = []
-    for pid in sorted(pids):
-        st = procfs.read_stat(pid)
-        if st is not None and st.state != "Z":
-            out.append(f"pid {pid} ({(procfs.cmdline(pid) or '')[:80]})")
-    return out
-
-
-def _listening() -> dict[str, Optional[int]]:
-    """Listening TCP sockets on this host: ``addr:port`` → owning PID (None if unknown)."""
-    try:
-        conns = psutil.net_connections("tcp")
-    except (psutil.AccessDenied, OSError):
-        return {}
-    return {f"{c.laddr.ip}:{c.laddr.port}": c.pid for c in conns if c.status == psutil.CONN_LISTEN}
-
-
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from .._paths import write_file
 from ..metrics.events import read_events
 from .multinode import tag_events
-from .runner import Injection, RunRecord
+from .record import Injection, RunRecord
 
 INSTALL_HINT = "pip install 'elastictk[plots]'"
 STOPS = ("worker_failed", "peer_failed", "workers_stopped", "job_finished", "job_failed",

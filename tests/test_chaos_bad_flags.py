@@ -29,7 +29,10 @@ CASES = [
     (["--kinds", " , "], ["--kinds ' , '", "name at least one kind"]),
     (["--kinds", "nope"], ["--kinds nope", "unknown fault kind 'nope'"]),
     (["--kinds", "kill-agent"], ["--kinds kill-agent", "--at-seconds LO:HI", "drop it from --kinds"]),
-    (["--kinds", "hang"], ["--kinds hang", "needs --collective-timeout"]),
+    # the default --hang-detection learned catches hangs (tests/test_chaos_hang_learned.py);
+    # with it off, nothing would
+    (["--kinds", "hang", "--hang-detection", "off"], ["--kinds hang", "needs --collective-timeout",
+                                                      "--hang-detection learned"]),
     (["--faults", "-1"], ["--faults -1", "from 0 to 1000"]),
     (["--faults", "100000000"], ["--faults 100000000", "from 0 to 1000"]),
     (["--faults", "5", "--at-steps", "2:4"], ["--faults 5 with --at-steps 2:4", "lower --faults",

@@ -116,7 +116,8 @@ class Knobs:
                                 f"{other}; drop it from kinds or change the window")
             if name in HANGS and self.watchdog_s is None:
                 raise PlanError(f"kind {spec!r} needs watchdog_s (the job's collective timeout): "
-                                "without a watchdog nothing ends the hang")
+                                "without a watchdog nothing ends the hang (elastictk-run's default "
+                                "--hang-detection learned is one)")
             if name != "slow" or self.watchdog_s is None:
                 continue
             given = _given_seconds(spec)

@@ -66,14 +66,17 @@ def check_writable_dir(path: str, flag: str, named: str | None = None) -> None:
 
 
 def shared_dir_first_fix(path: str, flag: str) -> None:
-    """A directory every user may write in (``/tmp``, mode 1777) named where elastictk needs one
+    """A sticky directory every user may write in (``/tmp``, mode 1777) named where elastictk needs one
     only this user can write: the fix offered first is a private subdirectory of it (created
     mode 0700), never making the shared directory unwritable for everyone else."""
     try:
         st = os.stat(path)
     except OSError:
         return
-    if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IWOTH:
+    # Sticky only: in a directory others may write without the sticky bit they could rename a
+    # private subdirectory away, so there the fix stays the general rule's (chmod go-w, or a
+    # directory of one's own; elastictk/_paths.py says it).
+    if not stat.S_ISDIR(st.st_mode) or st.st_mode & (stat.S_IWOTH | stat.S_ISVTX) != stat.S_IWOTH | stat.S_ISVTX:
         return
     user = _user_name()
     raise UsageError(f"{flag} {path}: every user can write in {path} (mode "

@@ -10,13 +10,11 @@ failure (a store key), a membership change (the next round's arrival), a signal.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from ..rendezvous import (
     MembershipWatch, RendezvousClosed, RendezvousError, RendezvousHandler,
@@ -31,41 +29,31 @@ from ..supervisor.report import FailureReport
 from ..supervisor.spec import WorkerResult
 from ..metrics.kinds import Emit, EventKind
 from ..metrics.steps import WorkerStepsBlock
-from ..metrics.worker import ENV_COLLECTIVES, ENV_HOOKS, ENV_PATH
+from ..metrics.worker import ENV_COLLECTIVES, ENV_PATH
 from ..snapshot.local import Holder
 from ..snapshot.peertier import PeerTier
 from ..snapshot.settings import ENV_DIR
 from .address import local_address
-from .health import HealthWatch, check_timeout, run_check
+from .health import HealthWatch, hold_until_healthy
 from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
 from .excluded import ExclusionGate
 from .inplace import InPlaceRound, open_round
 from .inplace_host import InPlaceHost, started_key
 from .config import AgentConfig
 from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
+from .failure import Scene, after_failure
+from .failure_cause import failed_at, failure_report
 from .preempt import preempt
 from .recovery import RecoveryWatch
 from .shared_flags import mismatch, rank0_meta, shared_flags
+from .signals import Signals
+from .stepcount import steps_block, stepped, steps_env
 from .stragglers import StragglerWatch, watch_round
 from .watchdog import Watchdog
 
 log = logging.getLogger("elastictk.agent")
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
 Event = Emit  # what on_event is called as (the old name)
-
-
-def steps_env(block: WorkerStepsBlock | None, base: Mapping[str, str]) -> dict[str, str]:
-    """What workers need to count their steps in ``block`` (none for no block): its path, and
-    its hook added to the hooks they would get from ``base`` or this process."""
-    if block is None:
-        return {}
-    env = block.env()
-    names = [n for n in (base.get(ENV_HOOKS) or os.environ.get(ENV_HOOKS, "")).split(",") if n.strip()]
-    names += [n for n in env[ENV_HOOKS].split(",") if n not in names]
-    return {**env, ENV_HOOKS: ",".join(names)}
 
 
 @dataclass
@@ -92,11 +80,9 @@ class ElasticAgent:
         self.store = store
         self.node_id = config.node_id
         self._store_endpoint = store_endpoint
-        self._signal: int | None = None
         # The signals that end the agent: the terminating ones and the pre-emption warning.
-        self._stopping = tuple(dict.fromkeys(
-            TERMINATING + tuple(config.stop_signals) + ((config.preempt_signal,) if config.preempt_signal else ())))
-        self._old_handlers: dict[int, Any] = {}
+        preempt_signal = (config.preempt_signal,) if config.preempt_signal else ()
+        self._signals = Signals(tuple(config.stop_signals) + preempt_signal, self._interrupt, self._wake)
         self.group: WorkerGroup | None = None
         self.handler: RendezvousHandler | None = None
         self.current: RoundInfo | None = None
@@ -133,7 +119,9 @@ class ElasticAgent:
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
         self.node_id = self.handler.node_id
         self.handler.on_spare = lambda n, world: self._emit(EventKind.SPARE_WAITING, round=n, world=world)
-        own_steps = self._steps_block()
+        self._steps, own_steps = steps_block(
+            cfg.steps, cfg.policy.crash_loop is not None or bool(cfg.stragglers and cfg.stragglers.on),
+            cfg.spec.local_world_size)
         self._recovery = RecoveryWatch(self._emit, self._steps)
         self.watchdog = Watchdog(cfg.spec.local_world_size, collective_timeout=cfg.collective_timeout,
                                  on_expiry=self._wake, progress_timeout=cfg.progress_timeout,
@@ -151,7 +139,7 @@ class ElasticAgent:
                                       **(snapshots.env() if snapshots is not None else {}),
                                       **(self._peer.env() if self._peer is not None else {})})
         self.group = WorkerGroup(spec, cfg.log_dir, preload_server=self._preload_server)
-        self._install_signals()
+        self._signals.install()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
             return self._summarized(self._loop(addr))
@@ -167,7 +155,7 @@ class ElasticAgent:
             return self._summarized(AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts))
         finally:
             self._recovery.finish()  # an exception: the recovery in flight, before the block goes
-            self._restore_signals()
+            self._signals.restore()
             self.group.close()
             self.watchdog.close()
             if own_steps is not None:
@@ -209,10 +197,10 @@ class ElasticAgent:
         }
         self._ran = False  # workers were started at least once
         while True:
-            if self._signal in self._stopping:
+            if self._signals.stop:
                 return self._signalled()
             assert self.handler is not None and self.group is not None
-            if self._exclusion.hold(self.handler, self.group, lambda: self._stop_reason() is not None):
+            if self._exclusion.hold(self.handler, self.group, lambda: self._signals.stop_reason() is not None):
                 self.node_id = self.handler.node_id  # out for the cooldown; rejoins under a new id
                 continue
             kept_out = self._health_gate()
@@ -235,33 +223,24 @@ class ElasticAgent:
                                         rnd.coord.records, self._health.failed if self._health else None)
 
     def _health_gate(self) -> AgentResult | None:
-        """``--health-check``: None once the check passes; while it fails this node stays out
-        (an event and a log line each time, its workers stopped), re-checked every interval;
-        how the agent ends when it has not passed within the join timeout, or on a signal."""
+        """``--health-check``: None once the check passes, else how the agent ends (the check
+        did not pass within the join timeout, or a signal came while this node stayed out)."""
         cfg, group = self.config, self.group
         if cfg.health_check is None:
             return None
         assert group is not None
-        deadline = time.monotonic() + cfg.rdzv.join_timeout
-        while True:
-            res = run_check(cfg.health_check, check_timeout(cfg.health_interval))
-            if res.ok:
-                return None
-            if group.running:  # in-place workers kept for the next round
-                group.stop()
-                self._emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
-            self._emit(EventKind.HEALTH_CHECK_FAILED, command=cfg.health_check, exit=res.exit, line=res.line)
-            log.warning("health check failed (%s): %s; this node stays out of the job, next check in %gs",
-                        res.exit, res.line or "(no output)", cfg.health_interval)
-            if time.monotonic() >= deadline:
-                return AgentResult(
-                    ResultState.FAILED, 1,
-                    f"health check failed ({res.exit}: {res.line or 'no output'}): this node stayed out "
-                    f"for the join timeout ({cfg.rdzv.join_timeout:g}s) and gives up; fix the node or "
-                    f"the check ({cfg.health_check!r})", attempts=self.attempts)
-            self._backoff(min(cfg.health_interval, max(0.0, deadline - time.monotonic())))
-            if self._stop_reason() is not None:
-                return self._signalled()
+
+        def stop_kept() -> bool:  # in-place workers kept for the next round
+            if not group.running:
+                return False
+            group.stop()
+            return True
+        why = hold_until_healthy(cfg.health_check, cfg.health_interval, cfg.rdzv.join_timeout,
+                                 stop_workers=stop_kept, emit=self._emit, backoff=self._signals.backoff,
+                                 stopping=lambda: self._signals.stop_reason() is not None)
+        if why is None:
+            return None
+        return self._signalled() if why == "" else AgentResult(ResultState.FAILED, 1, why, attempts=self.attempts)
 
     def _next_round(self) -> RoundInfo | AgentResult:
         """The next round, or how the agent ends when the job was closed meanwhile."""
@@ -389,7 +368,7 @@ class ElasticAgent:
     def _on_succeeded(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None and self.group is not None
         finished, lost = self._exit_barrier(rnd.coord, rnd.info)
-        if self._signal in self._stopping:  # told to stop while waiting for the others
+        if self._signals.stop:  # told to stop while waiting for the others
             return self._signalled()
         if not finished:
             rnd.outcome = Outcome.PEER_FAILURE  # a peer failed while we waited: restart with it
@@ -411,7 +390,7 @@ class ElasticAgent:
     def _on_failure(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None
         local = rnd.outcome == Outcome.LOCAL_FAILURE and rnd.noticed is not None
-        self._recovery.failed(self._failed_at(rnd.failed) if local else None,
+        self._recovery.failed(failed_at(rnd.failed, self.watchdog) if local else None,
                               rnd.noticed if local and rnd.noticed is not None else time.monotonic(),
                               self._attempt_pids)
         decision = self._after_failure(rnd.outcome, rnd.failed, rnd.coord, rnd.restarts)
@@ -427,7 +406,7 @@ class ElasticAgent:
             self._recovery.restarting(decision.restart_count)
             self._emit(EventKind.RESTART, restart_count=decision.restart_count, delay_s=decision.delay_s,
                        reason=decision.reason)
-            self._backoff(decision.delay_s)
+            self._signals.backoff(decision.delay_s)
             return None
         self.handler.shutdown(f"failed: {decision.reason}")
         report = self._report(rnd.restarts) if rnd.outcome == Outcome.LOCAL_FAILURE else None
@@ -438,32 +417,6 @@ class ElasticAgent:
         return AgentResult(ResultState.FAILED, 1, decision.reason + where, report=report,
                            restarts=rnd.restarts, attempts=self.attempts)
 
-    def _failed_at(self, failed: list[WorkerResult]) -> float | None:
-        """When this node's first failure happened: its worker's exit, or earlier, the moment a
-        watchdog declared it hung (a timer's expiry, the progress watchdog's verdict)."""
-        if not failed:
-            return None
-        first = min(failed, key=lambda r: r.ended_at)
-        at = first.ended_at
-        if self.watchdog is not None:
-            expiry, hang = self.watchdog.expiry_of(first.pid), self.watchdog.hang_of(first.pid)
-            if expiry is not None:
-                at = min(at, expiry.detected_at)
-            if hang is not None and hang.declared_at > 0:
-                at = min(at, hang.declared_at)
-        return at
-
-    def _backoff(self, seconds: float) -> None:
-        """The restart backoff, cut short by a terminating signal (the loop then acts on it)."""
-        deadline = time.monotonic() + seconds
-        while self._stop_reason() is None and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(0.2, left))
-
-    def _stop_reason(self) -> str | None:
-        """Why the agent must stop waiting, if a terminating signal came."""
-        sig = self._signal
-        return f"the agent received {signal.Signals(sig).name}" if sig in self._stopping else None
-
     def _exit_barrier(self, coord: RoundCoordinator, info: RoundInfo) -> tuple[bool, list[str]]:
         """The exit barrier, watching heartbeats meanwhile: a peer lost after this node's
         workers finished ends the wait after ``heartbeat_timeout``, not the barrier's timeout.
@@ -473,12 +426,13 @@ class ElasticAgent:
             watch = MembershipWatch(self.handler, info)
         except StoreError:  # no second connection to the store: wait as before, unwatched
             return coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
-                                      lost=self._stop_reason,
+                                      lost=self._signals.stop_reason,
                                       members=[m.node_id for m in info.members]), []
         self._lingering.append(watch)  # joined before the process exits, as the round's are
         try:
             finished = coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
-                                          lost=lambda: self._stop_reason() or (watch.reason if watch.lost else None),
+                                          lost=lambda: (self._signals.stop_reason()
+                                                        or (watch.reason if watch.lost else None)),
                                           members=[m.node_id for m in info.members])
         finally:
             watch.stop()
@@ -515,11 +469,12 @@ class ElasticAgent:
                 return Outcome.LOCAL_FAILURE, failed
             if inplace is not None and inplace.poll():
                 return Outcome.INPLACE_FALLBACK, []
-            if self._signal is not None:
-                if self._signal in self._stopping:
+            sig = self._signals.received
+            if sig is not None:
+                if self._signals.stop:
                     return Outcome.SIGNAL, []
-                group.signal_all(self._signal)
-                self._signal = None
+                group.signal_all(sig)
+                self._signals.received = None
                 continue
             if coord.watch_error is not None:  # logged with its cause: a store we cannot use
                 raise StoreError(f"the failure watch stopped: {coord.watch_error!r}")
@@ -539,74 +494,9 @@ class ElasticAgent:
     def _after_failure(self, outcome: Outcome, failed: list[WorkerResult], coord: RoundCoordinator,
                        restarts: int) -> Decision | None:
         assert self.group is not None
-        if outcome == Outcome.UNHEALTHY:
-            # Like a worker failure, charged to the budget: the job restarts without this node
-            # (the health gate keeps it out of the next round while the check fails).
-            assert self._health is not None and self._health.failed is not None
-            res, cmd = self._health.failed, self.config.health_check
-            self._emit(EventKind.HEALTH_CHECK_FAILED, command=cmd, exit=res.exit, line=res.line)
-            log.warning("health check failed (%s): %s; this node leaves the job", res.exit, res.line or "(no output)")
-            cause = f"node {self.node_id}'s health check ({res.exit}: {res.line or 'no output'})"
-            won = coord.report_failure(cause)
-            self.group.stop()
-            self._emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
-            self._recovery.stopped()
-            if won:
-                return coord.decide(self.config.policy, cause)
-            return coord.await_decision(self.config.decision_timeout)
-        if outcome == Outcome.EXCLUDED:  # the leader excluded this node: it leaves, as a failure
-            decision = self._exclusion.leave_round(coord, self.group, self.config.policy, self.config.decision_timeout)
-            self._recovery.stopped()
-            return decision
-        if outcome == Outcome.INPLACE_FALLBACK:
-            # In-place recovery did not come together: restart everything, as restart-all
-            # would have, on the budget already charged for this failure.
-            assert self._inplace is not None
-            coord.report_failure(f"node {self.node_id}: in-place recovery failed")
-            self.group.stop()
-            self._emit(EventKind.WORKERS_STOPPED, reason="inplace_fallback")
-            self._recovery.stopped()
-            charged = self._inplace.decision
-            if charged is not None:  # this node charged the recovery: its decision, sealed
-                return coord.publish(charged, self.config.decision_timeout)
-            # Errors but nothing failed here: the node whose worker failed charged it and
-            # publishes; only if nobody does is the failure charged now (take_over).
-            return coord.await_decision(min(self.config.decision_timeout, 5.0))
-        if outcome == Outcome.LOCAL_FAILURE:
-            first = min(failed, key=lambda r: r.ended_at)
-            self._emit_expiries()  # the reaper records an expiry before it kills
-            hang = self.watchdog.expiry_of(first.pid) if self.watchdog is not None else None
-            stall = self.watchdog.hang_of(first.pid) if self.watchdog is not None else None
-            progressed = self._stepped()
-            why = hang.headline() + " (watchdog timer expired)" if hang is not None else \
-                stall.headline() if stall is not None else first.describe()
-            won = coord.report_failure(f"node {self.node_id}: {why}")
-            extra: dict[str, Any] = {"cause": "timer_expired", "timer_scope": hang.scope} if hang else \
-                {"cause": "hang_detected"} if stall else {}
-            self._emit(EventKind.WORKER_FAILED, rank=first.rank, local_rank=first.local_rank,
-                       exit=first.signal_name or f"code {first.exitcode}", first_in_job=won,
-                       **extra, **({} if progressed is None else {"phase": "training" if progressed else "startup"}))
-            self.group.stop()
-            self._emit(EventKind.WORKERS_STOPPED, reason="worker_failed")
-            self._recovery.stopped()
-            if won:
-                report = self._report(restarts)
-                root = report.root_cause
-                cause = root.cause() if root is not None else first.describe()
-                if progressed is False:
-                    cause += " (a start-up failure: before any rank's first step)"
-                return coord.decide(self.config.policy, cause, progressed)
-        else:
-            note = coord.failure_note()
-            self._emit(EventKind.PEER_FAILED, by=None if note is None else note.node_id)
-            self.group.stop()
-            self._emit(EventKind.WORKERS_STOPPED, reason="peer_failed")
-            self._recovery.stopped()
-            inplace = self._inplace
-            if inplace is not None and inplace.pending is not None and inplace.decision is not None:
-                # A recovery this node charged was still forming: its charge is the decision.
-                return coord.publish(inplace.decision, self.config.decision_timeout)
-        return coord.await_decision(self.config.decision_timeout)
+        return after_failure(Scene(self.node_id, self.config, self.group, self._emit, self._recovery, self.watchdog,
+                                   self._health, self._exclusion, self._inplace, self._emit_expiries,
+                                   self._stepped, self._report), outcome, failed, coord, restarts)
 
     def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, keep: bool,
                        previous: RoundInfo | None) -> tuple[dict[str, str], bool]:
@@ -632,14 +522,11 @@ class ElasticAgent:
 
     def _report(self, restarts: int) -> FailureReport:
         assert self.group is not None
-        results = list(self.group.results.values())
-        return FailureReport.collect(results, stopped=[r.local_rank for r in results if r.stopped],
-                                     restart_count=restarts,
-                                     hangs=self.watchdog.hangs() if self.watchdog is not None else None)
+        return failure_report(list(self.group.results.values()), restarts, self.watchdog)
 
     def _signalled(self) -> AgentResult:
         assert self.group is not None and self.handler is not None
-        sig = self._signal or signal.SIGTERM
+        sig = self._signals.received or signal.SIGTERM
         if sig == self.config.preempt_signal:
             return preempt(self.group, sig, self.config.spec.grace_period, self._emit,
                            self.config.spec.env.get(ENV_DIR), self.attempts)
@@ -657,7 +544,7 @@ class ElasticAgent:
         # Group rank 0 publishes it as soon as the round closes; longer than a heartbeat timeout
         # means it is gone, and waiting the join timeout for it would stall every other node.
         records = self.handler.records.view(info.store, info.store_prefix)
-        stop = lambda: self._stop_reason() is not None  # noqa: E731
+        stop = lambda: self._signals.stop_reason() is not None  # noqa: E731
         ws = cfg.workers_store  # torchrun's agent store per backend (agent/master.py)
         if ws is not None:
             master_addr, master_port = ws.master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
@@ -671,22 +558,12 @@ class ElasticAgent:
             max_restarts=cfg.max_restarts, use_agent_store=ws is not None and ws.use_agent_store,
         )
 
-    def _steps_block(self) -> WorkerStepsBlock | None:
-        """The steps block the crash-loop count reads (the caller's, else the progress
-        watchdog's, else one of our own, returned to be closed); none when the count is off."""
-        cfg = self.config
-        self._steps = cfg.steps
-        if (cfg.policy.crash_loop is None and not (cfg.stragglers and cfg.stragglers.on)) or cfg.steps is not None:
-            return None
-        self._steps = WorkerStepsBlock(cfg.spec.local_world_size)  # the watchdog uses it too
-        return self._steps
-
     def _stepped(self) -> bool | None:
         """Whether a worker of the current attempt completed a step (its slot is owned by it and
         counts a step of its own); None when no steps block is read."""
-        if self._steps is None or self.config.policy.crash_loop is None:
+        if self.config.policy.crash_loop is None:
             return None
-        return any(s.owner in self._attempt_pids and s.proc_steps > 0 for s in self._steps.snapshot())
+        return stepped(self._steps, self._attempt_pids)
 
     def _wake(self) -> None:
         if self.group is not None:
@@ -694,18 +571,8 @@ class ElasticAgent:
 
     def _emit_expiries(self) -> None:
         """Events for timers the reaper caught since the last look (it runs on its own thread)."""
-        if self.watchdog is None:
-            return
-        for e in self.watchdog.take_new():
-            self._emit(EventKind.TIMER_EXPIRED, rank=e.rank, local_rank=e.local_rank, pid=e.pid, scope=e.scope,
-                       where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
-        for h in self.watchdog.take_hangs():
-            self._emit(EventKind.HANG_DETECTED, **h.fields())
-        changed, stalls = self.watchdog.take_learned()
-        for deadlines in changed:
-            self._emit(EventKind.HANG_DEADLINE, deadlines={k: round(v, 2) for k, v in deadlines.items()})
-        for s in stalls:
-            self._emit(EventKind.PROGRESS_STALLED, **s.fields())
+        if self.watchdog is not None:
+            self.watchdog.emit_news(self._emit)
 
     def _inplace_emit(self, kind: EventKind, **fields: Any) -> None:
         """The in-place round's events, also timing its recoveries (replaced, then re-formed)."""
@@ -723,22 +590,10 @@ class ElasticAgent:
         if self.config.on_event is not None:
             self.config.on_event(kind, **fields)
 
-    def _install_signals(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in dict.fromkeys(FORWARDED + self._stopping):
-                self._old_handlers[sig] = signal.signal(sig, self._handle_signal)
-
-    def _handle_signal(self, signum: int, _frame: Any) -> None:
-        self._signal = signum
-        if signum in self._stopping:
-            if self.handler is not None:
-                self.handler.interrupt()  # a node waiting for a round stops waiting
-            if self.group is not None:
-                self.group.interrupt()  # also stops a start in progress before its next worker
-        else:
-            self._wake()
-
-    def _restore_signals(self) -> None:
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
-        self._old_handlers.clear()
+    def _interrupt(self) -> None:
+        """A terminating signal: a node waiting for a round stops waiting; a start in progress
+        stops before its next worker."""
+        if self.handler is not None:
+            self.handler.interrupt()
+        if self.group is not None:
+            self.group.interrupt()

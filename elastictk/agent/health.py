@@ -13,6 +13,7 @@ it would waiting for peers that never come).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from ..metrics.kinds import Emit, EventKind
+
+log = logging.getLogger("elastictk.agent")
 
 MAX_LINE = 500  # characters of the last output line kept for events and messages
 
@@ -97,3 +102,29 @@ class HealthWatch:
 
 
 __all__ = ["HealthResult", "HealthWatch", "check_settings", "check_timeout", "run_check"]
+
+
+def hold_until_healthy(command: str, interval: float, join_timeout: float, *, stop_workers: Callable[[], bool],
+                       emit: Emit, backoff: Callable[[float], None], stopping: Callable[[], bool]) -> str | None:
+    """The gate before a round: None once the check passes; while it fails this node stays out
+    (an event and a log line each time; ``stop_workers`` stops the workers kept for the next
+    round, True if there were some), re-checked every ``interval`` through ``backoff``. Returns
+    why the agent gives up when the check has not passed within ``join_timeout``, or "" when
+    ``stopping`` says a terminating signal came meanwhile."""
+    deadline = time.monotonic() + join_timeout
+    while True:
+        res = run_check(command, check_timeout(interval))
+        if res.ok:
+            return None
+        if stop_workers():
+            emit(EventKind.WORKERS_STOPPED, reason="health_check_failed")
+        emit(EventKind.HEALTH_CHECK_FAILED, command=command, exit=res.exit, line=res.line)
+        log.warning("health check failed (%s): %s; this node stays out of the job, next check in %gs",
+                    res.exit, res.line or "(no output)", interval)
+        if time.monotonic() >= deadline:
+            return (f"health check failed ({res.exit}: {res.line or 'no output'}): this node stayed out "
+                    f"for the join timeout ({join_timeout:g}s) and gives up; fix the node or "
+                    f"the check ({command!r})")
+        backoff(min(interval, max(0.0, deadline - time.monotonic())))
+        if stopping():
+            return ""

@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Callable, Mapping, Optional
 
+from ..metrics.kinds import Emit, EventKind
 from ..metrics.steps import WorkerStepsBlock
 from ..metrics.marks import ENV_MARKS
 from ..metrics.worker import ENV_HOOKS
@@ -120,6 +121,20 @@ class Watchdog:
         with self._lock:
             out, self._unseen = self._unseen, []
         return out
+
+    def emit_news(self, emit: Emit) -> None:
+        """Events for what was caught since the last look (the reaper and the progress watch run
+        on threads of their own): expired timers, detected hangs, learned deadlines, stalls."""
+        for e in self.take_new():
+            emit(EventKind.TIMER_EXPIRED, rank=e.rank, local_rank=e.local_rank, pid=e.pid, scope=e.scope,
+                 where=e.where, late_ms=round(e.late_s * 1e3, 1), report=e.report_path)
+        for h in self.take_hangs():
+            emit(EventKind.HANG_DETECTED, **h.fields())
+        changed, stalls = self.take_learned()
+        for deadlines in changed:
+            emit(EventKind.HANG_DEADLINE, deadlines={k: round(v, 2) for k, v in deadlines.items()})
+        for s in stalls:
+            emit(EventKind.PROGRESS_STALLED, **s.fields())
 
     def expiry_of(self, pid: int) -> Optional[Expiry]:
         """Why the reaper killed the worker with this PID in the current attempt, if it did."""

@@ -210,3 +210,17 @@ def test_worker_env_puts_the_site_hook_first_exactly_once(paths: list[str]) -> N
     assert got[1:] == [p for p in paths if p and p != SITE_DIR]
     assert float(env[L.ENV_COLLECTIVE_TIMEOUT]) == 5.0
     assert worker_env("/x") == {L.ENV_REGIONS: "/x"}  # no collective timeout: no PYTHONPATH
+
+
+@pytest.mark.parametrize("path, library", [
+    ("/venv/site-packages/elastictk/metrics/worker.py", True),   # the progress marks' wrapper
+    ("/venv/site-packages/elastictk/timer/collectives.py", True),
+    ("/venv/site-packages/torch/distributed/distributed_c10d.py", True),
+    ("/work/job/train.py", False),
+])
+def test_elastictks_collective_wrappers_are_never_where_a_rank_is_stuck(path: str, library: bool) -> None:
+    """The innermost frame that is not a library's names where a stuck rank stands: the wrappers
+    elastictk puts around every collective (timers, progress marks) are skipped to the user's
+    line (with the marks' wrapper counted as the user's, a frozen peer was named at
+    metrics/worker.py instead of train.py)."""
+    assert Frame(path, 10, "f").is_library is library

@@ -23,8 +23,10 @@ from typing import Optional, Sequence
 _THREAD = re.compile(r"^(Current thread|Thread) 0x([0-9a-fA-F]+) \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
 
+# Frames that are never where the user's code stands: torch, and elastictk's own wrappers around
+# the collectives (timers in timer/, progress marks and straggler timing in metrics/).
 _LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}elastictk{os.sep}timer{os.sep}",
-                  f"{os.sep}elastictk{os.sep}supervisor{os.sep}")
+                  f"{os.sep}elastictk{os.sep}supervisor{os.sep}", f"{os.sep}elastictk{os.sep}metrics{os.sep}")
 
 
 def _stdlib_dirs() -> tuple[str, ...]:

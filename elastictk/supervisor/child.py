@@ -210,11 +210,22 @@ def _record_if_unrecorded(e: BaseException) -> None:
     decorator's, maybe a nested launcher's root cause) is kept; Ctrl-C is not an error."""
     if not isinstance(e, Exception):
         return
-    from .errors import ERROR_FILE_ENV, record_exception
+    from .errors import ERROR_FILE_ENV, exception_payload, write_error_file
 
     path = os.environ.get(ERROR_FILE_ENV)
-    if path and not os.path.lexists(path):
-        record_exception(e, path)
+    if not path or os.path.lexists(path):
+        return
+    import time
+
+    payload = exception_payload(e, timestamp=int(time.time()))
+    if sys.excepthook is not sys.__excepthook__:
+        # The script chose how its tracebacks read (rich, a logger): the summary names the
+        # exception, and shows what the script printed, not a second traceback of ours.
+        payload["message"]["extraInfo"]["py_callstack"] = ""
+    try:
+        write_error_file(path, payload)
+    except Exception:  # noqa: BLE001 - the worker's own exception matters more than the report
+        pass
 
 
 def _launcher_frame(tb: TracebackType) -> bool:

@@ -171,6 +171,10 @@ def run_nonce(port: int) -> str:
 def test_a_forged_record_excludes_nobody_with_a_token_and_the_node_rejoins(tmp_path: Path, token: str | None) -> None:
     flags = ["--straggler-action", "exclude", "--straggler-interval", "0.2", "--exclude-cooldown", "2"]
     job = ExclusionJob(tmp_path, "1:2", max_restarts=1, flags=flags)
+    # A 2 s heartbeat timeout let a loaded host (the suite's three processes) lose a node for a
+    # moment and restart the round inside the 2 s this test watches for "nothing restarted";
+    # nothing here needs a lost node noticed quickly.
+    job.conf = CONF.replace("heartbeat_timeout=2", "heartbeat_timeout=20")
     extra = {"ELASTICTK_RDZV_TOKEN": token} if token else {}
     try:
         for _ in range(2):
@@ -184,7 +188,7 @@ def test_a_forged_record_excludes_nobody_with_a_token_and_the_node_rejoins(tmp_p
         if token:
             time.sleep(2.0)  # ten straggler intervals: the node reads its key every one
             assert "node_excluded" not in kinds(job.logs[i]), "a forged record excluded a node"
-            assert len(job.starts()) == 4, "nothing restarted"
+            assert len(job.starts()) == 4, ("nothing restarted", [kinds(log) for log in job.logs])
             write_record(job.port, round_, node, Signer(token, "multi", run_nonce(job.port)))
         excluded = wait_event(job.logs[i], "node_excluded", timeout=240)["fields"]
         assert excluded == {"node_id": node, "reason": "straggler", "detail": "named by the test",

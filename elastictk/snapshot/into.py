@@ -36,6 +36,29 @@ def _plain(t: Any) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous()
 
 
+_NOT_LEAF = object()
+
+
+def _beside(x: Any, cur: Any, leaf: Callable[[Any, Any], Any]) -> Any:
+    """``x`` rebuilt, walking ``cur`` (the state's tensors now) beside it: ``leaf(x, cur)`` for
+    each node it takes (anything but ``_NOT_LEAF``), dicts, lists and tuples rebuilt around
+    them, the rest kept. The one walk a restore in place and a peer's part both need."""
+    got = leaf(x, cur)
+    if got is not _NOT_LEAF:
+        return got
+    if isinstance(x, dict):
+        same = cur if isinstance(cur, dict) else {}
+        built = type(x)() if type(x) is not dict else {}
+        for k, v in x.items():
+            built[k] = _beside(v, same.get(k), leaf)
+        return built
+    if isinstance(x, (list, tuple)):
+        seq = cur if isinstance(cur, (list, tuple)) and len(cur) == len(x) else [None] * len(x)
+        items = [_beside(v, c, leaf) for v, c in zip(x, seq)]
+        return items if isinstance(x, list) else tuple(items)
+    return x
+
+
 def destinations(tree: Any, current: Any, meta: list[tuple[str, list[int], int, int]]) -> tuple[Any, list[Any]]:
     """``tree`` (a skeleton: ``{MARK: i}`` leaves) with each tensor leaf replaced by where it
     goes: the tensor at the same place in ``current`` when it is a plain tensor of the same
@@ -44,30 +67,20 @@ def destinations(tree: Any, current: Any, meta: list[tuple[str, list[int], int, 
 
     out: list[Any] = [None] * len(meta)
 
-    def walk(x: Any, cur: Any) -> Any:
-        if isinstance(x, dict):
-            if len(x) == 1 and codec.MARK in x:
-                i = x[codec.MARK]
-                dtype_name, shape, _, _ = meta[i]
-                dtype = getattr(torch, dtype_name)
-                if isinstance(cur, torch.Tensor) and _plain(cur) and cur.dtype == dtype \
-                        and list(cur.shape) == list(shape) and cur.device.type in ("cpu", "cuda"):
-                    out[i] = cur.detach()
-                else:
-                    out[i] = torch.empty(shape, dtype=dtype)
-                return out[i]
-            same = cur if isinstance(cur, dict) else {}
-            built = type(x)() if type(x) is not dict else {}
-            for k, v in x.items():
-                built[k] = walk(v, same.get(k))
-            return built
-        if isinstance(x, (list, tuple)):
-            seq = cur if isinstance(cur, (list, tuple)) and len(cur) == len(x) else [None] * len(x)
-            items = [walk(v, c) for v, c in zip(x, seq)]
-            return items if isinstance(x, list) else tuple(items)
-        return x
+    def leaf(x: Any, cur: Any) -> Any:
+        if not (isinstance(x, dict) and len(x) == 1 and codec.MARK in x):
+            return _NOT_LEAF
+        i = x[codec.MARK]
+        dtype_name, shape, _, _ = meta[i]
+        dtype = getattr(torch, dtype_name)
+        if isinstance(cur, torch.Tensor) and _plain(cur) and cur.dtype == dtype \
+                and list(cur.shape) == list(shape) and cur.device.type in ("cpu", "cuda"):
+            out[i] = cur.detach()
+        else:
+            out[i] = torch.empty(shape, dtype=dtype)
+        return out[i]
 
-    built = walk(tree, current)
+    built = _beside(tree, current, leaf)
     for i, t in enumerate(out):  # bytes the tree does not name are still read (the checksum covers them)
         if t is None:
             out[i] = torch.empty(meta[i][1], dtype=getattr(torch, meta[i][0]))
@@ -177,22 +190,12 @@ def copy_tree(tree: Any, current: Any) -> Any:
     process group) with every tensor copied into ``current``'s where it fits, else cloned."""
     import torch
 
-    def walk(x: Any, cur: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if isinstance(cur, torch.Tensor) and _plain(cur) and cur.dtype == x.dtype \
-                    and cur.shape == x.shape and cur.device == x.device:
-                return cur.detach().copy_(x)
-            return x.clone()
-        if isinstance(x, dict):
-            same = cur if isinstance(cur, dict) else {}
-            built = type(x)() if type(x) is not dict else {}
-            for k, v in x.items():
-                built[k] = walk(v, same.get(k))
-            return built
-        if isinstance(x, (list, tuple)):
-            seq = cur if isinstance(cur, (list, tuple)) and len(cur) == len(x) else [None] * len(x)
-            items = [walk(v, c) for v, c in zip(x, seq)]
-            return items if isinstance(x, list) else tuple(items)
-        return x
+    def leaf(x: Any, cur: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return _NOT_LEAF
+        if isinstance(cur, torch.Tensor) and _plain(cur) and cur.dtype == x.dtype \
+                and cur.shape == x.shape and cur.device == x.device:
+            return cur.detach().copy_(x)
+        return x.clone()
 
-    return walk(tree, current)
+    return _beside(tree, current, leaf)

@@ -56,7 +56,9 @@ def _node(tmp: Path, port: int, restarts: int, host: bool, script: Path) -> subp
 
 def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path) -> None:
     script = tmp_path / "w.py"
-    script.write_text("print('trained')\n")
+    # a job that trains a while: the mismatched node shuts it down; a job this node's workers
+    # end before that shutdown reaches rank 0's node ends there with its own outcome (0)
+    script.write_text("import time\ntime.sleep(120)\nprint('trained')\n")
     port = free_port()
     nodes = [_node(tmp_path, port, 3, True, script), _node(tmp_path, port, 1, False, script)]
     try:

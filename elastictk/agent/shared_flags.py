@@ -25,8 +25,9 @@ def shared_flags(min_nodes: int, max_nodes: int, max_restarts: int) -> dict[str,
 
 
 def _readable(key: str, value: object) -> bool:
-    if key == "nnodes":
-        return isinstance(value, str) and 0 < len(value) <= 41
+    if key == "nnodes":  # shown in the line: MIN[:MAX] digits only, never a peer's raw text
+        return isinstance(value, str) and 0 < len(value) <= 41 and value.replace(":", "").isdigit() \
+            and value.isascii()
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -43,14 +43,17 @@ class DirFiles:
         self.where = where
 
     def lock_fd(self, dir_fd: int, stripe: int) -> int:
-        name = f"{LOCK}{stripe:02d}"
+        return self._open_regular(dir_fd, f"{LOCK}{stripe:02d}", None, os.O_RDWR | os.O_CREAT)
+
+    def _open_regular(self, dir_fd: int, name: str, key: str | None, flags: int) -> int:
+        """Open ``name`` in ``dir_fd``: a regular file only, a symlink never followed."""
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | _SAFE_OPEN, 0o600, dir_fd=dir_fd)
+            fd = os.open(name, flags | _SAFE_OPEN, 0o600, dir_fd=dir_fd)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise self._not_regular(name, None, "a symlink") from None
+                raise self._not_regular(name, key, "a symlink") from None
             raise
-        self._check_regular(fd, name, None)
+        self._check_regular(fd, name, key)
         return fd
 
     def _check_regular(self, fd: int, name: str, key: str | None) -> None:
@@ -75,14 +78,7 @@ class DirFiles:
 
     def open_key(self, dir_fd: int, key: str | None, name: str) -> int:
         """Open a key file for reading: regular files only, symlinks never followed."""
-        try:
-            fd = os.open(name, os.O_RDONLY | _SAFE_OPEN, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise self._not_regular(name, key, "a symlink") from None
-            raise
-        self._check_regular(fd, name, key)
-        return fd
+        return self._open_regular(dir_fd, name, key, os.O_RDONLY)
 
     @contextmanager
     def locked(self, dir_fd: int, key: str, timeout: float) -> Iterator[None]:

@@ -15,6 +15,10 @@ c10d ``TCPStore`` and ``etcd``. For each size and store it measures, on a fresh 
    (which closes as soon as the last live member is back: the protocol's time, not a wait for
    a replacement).
 
+torch's own dynamic rendezvous (``--rdzv-backend c10d``) runs beside it on the same TCPStore
+server (``--stores c10d``, ``bench/_rdzv_scale_c10d.py``): formation only, bounded by a cap per
+size, with its per-join calls and bytes counted as elastictk's are.
+
 Targets (issue 31): a 1,024-node round forms in < 2 s on TCPStore; the steady-state load on the
 store (calls/s and the server's CPU) grows at most linearly with the nodes; the verdicts are
 computed from the measured numbers (``bench/_rdzv_scale_fit.py``).
@@ -38,14 +42,16 @@ from typing import Any, Sequence
 
 
 from .common import RESULTS_DIR, fmt, loadavg, machine_info, now_text, raise_fd_limit, write_atomic
+from . import _rdzv_scale_c10d as c10d
 from ._rdzv_scale_fit import Verdict, formed_within, linear_growth
 from ._rdzv_scale_join import (
     forms_and_reforms, join_verdicts, load_refusal, markdown_rows, per_join, refused, reform_within,
 )
 
 NAME = "rendezvous_scale"
-TITLE = "Rendezvous at scale: 8 to 1,024 simulated nodes on TCPStore and etcd"
-BACKENDS = {"tcp": "TCPStore", "etcd": "etcd"}
+TITLE = "Rendezvous at scale: 8 to 1,024 simulated nodes on TCPStore and etcd, torch's c10d beside"
+STORES = {"tcp": "TCPStore", "etcd": "etcd"}  # elastictk's rendezvous over each
+BACKENDS = {**STORES, "c10d": c10d.LABEL}  # and torch's own, beside it
 FORM_LIMIT = 2.0  # seconds, for 1,024 nodes on TCPStore
 REFORM_LIMIT = 3.0  # seconds from the loss noticed to every survivor in a new round, 1,024 nodes
 KEPT_UP = 0.9  # of the heartbeats the protocol sends in a window
@@ -65,17 +71,18 @@ class Plan:
     warmup: float
     window: float
     form_cap: float  # seconds a round may take to form before the case is given up
+    c10d_cap: float  # seconds torch's c10d rendezvous is given to form, per size
     reform_cap: float  # seconds after the heartbeat timeout the re-form is waited for
     phases: tuple[str, ...] = PHASES  # "form" alone, or all three
 
 
-FULL = Plan({"tcp": (8, 64, 256, 1024), "etcd": (8, 64, 256, 1024)},
+FULL = Plan({"tcp": (8, 64, 256, 1024), "etcd": (8, 64, 256, 1024), "c10d": (8, 64, 256, 1024)},
             heartbeat_interval=1.0, heartbeat_timeout=10.0, warmup=2.0, window=8.0,
-            form_cap=150.0, reform_cap=60.0)
+            form_cap=150.0, c10d_cap=60.0, reform_cap=60.0)
 # A smoke run: shorter clocks (a lost node is noticed after 2 s, not 10), two small sizes.
-QUICK = Plan({"tcp": (8, 32), "etcd": (8,)},
+QUICK = Plan({"tcp": (8, 32), "etcd": (8,), "c10d": (8,)},
              heartbeat_interval=0.5, heartbeat_timeout=2.0, warmup=0.5, window=1.5,
-             form_cap=30.0, reform_cap=30.0)
+             form_cap=30.0, c10d_cap=30.0, reform_cap=30.0)
 
 
 def choose_plan(base: Plan, stores: str | None, sizes: str | None, phases: str) -> Plan:
@@ -83,13 +90,15 @@ def choose_plan(base: Plan, stores: str | None, sizes: str | None, phases: str) 
     names = [s.strip() for s in stores.split(",")] if stores is not None else list(base.sizes)
     bad = [s for s in names if s not in BACKENDS]
     if bad or not all(names):
-        raise ValueError(f"--stores {stores!r}: give a comma-separated list of tcp and etcd")
+        raise ValueError(f"--stores {stores!r}: give a comma-separated list of tcp, etcd and c10d")
     try:
         ns = tuple(int(x) for x in sizes.split(",")) if sizes is not None else None
     except ValueError:
         ns = ()
     if ns is not None and (not ns or any(n < 2 or n > 4096 for n in ns)):
         raise ValueError(f"--sizes {sizes!r}: give comma-separated node counts from 2 to 4096, e.g. 64,256,1024")
+    # torch's c10d rounds take every core while they run: after elastictk's stores, not before
+    names.sort(key=lambda s: s == "c10d")
     return dataclasses.replace(base, sizes={s: ns or base.sizes[s] for s in names},
                                phases=("form",) if phases == "form" else PHASES)
 
@@ -226,7 +235,7 @@ def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0,
     ``refusal`` (the machine was busier than its cores) the time targets are UNKNOWN, saying
     why; the per-join calls and bytes are judged all the same (load cannot change them)."""
     out: list[Verdict] = []
-    for backend, label in BACKENDS.items():
+    for backend, label in STORES.items():
         for phase in ("form", "reform"):
             out.append(join_verdicts(cases, label, backend, phase))
     out.append(refused(reform_within(cases, 1024, REFORM_LIMIT), refusal))
@@ -238,7 +247,7 @@ def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0,
                       ("form_s", "has every node holding its rank")):
         out.append(refused(formed_within("TCPStore", 1024, tcp_1024.get(key) if tcp_1024 else None,
                                          FORM_LIMIT, what), refusal))
-    for backend, label in BACKENDS.items():
+    for backend, label in STORES.items():
         mine = [c for c in cases if c["backend"] == backend and "steady_calls_per_s" in c
                 and kept_up(c, heartbeat_interval)]
         ns = [c["nodes"] for c in mine]
@@ -246,6 +255,7 @@ def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0,
                                  [c["steady_calls_per_s"] for c in mine]))
         out.append(linear_growth(f"{label}: the server's CPU in steady state", ns,
                                  [c["steady_server_cpu"] for c in mine]))
+    out.append(c10d.beside_verdict(cases))
     return out
 
 
@@ -276,6 +286,10 @@ def markdown(result: dict[str, Any]) -> str:
         if "error" in c:
             lines.append(f"| {BACKENDS[c['backend']]} | {c['nodes']:,} | failed: {c['error']} |" + " |" * 10)
             continue
+        if c.get("form_note"):  # torch's c10d round, not formed within its cap
+            lines.append(f"| {BACKENDS[c['backend']]} | {c['nodes']:,} | {c['form_note']} | — "
+                         f"| {_f(c.get('form_server_cpu_s'))} | {_f(c.get('form_nodes_cpu_s'))} |" + " — |" * 7)
+            continue
         g = c.get
         calls = g("steady_calls_per_s")
         cpu = g("steady_server_cpu")
@@ -291,12 +305,15 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"\n{BACKENDS[c['backend']]} with {c['nodes']:,} nodes: {note}.")
     lines += ["", "## Per join (each node's own connection: calls, keys and values in and out)", ""]
     lines += markdown_rows(result["cases"], BACKENDS)
+    lines += c10d.unfinished_rows(result["cases"])
+    if any(c["backend"] == "c10d" for c in result["cases"]):
+        lines += [""] + c10d.markdown(result["cases"])
     if result.get("refusal"):
         lines += ["", f"Times {result['refusal']}."]
     lines += ["", "## Verdicts", ""]
     lines += [f"- **{v['verdict']}** {v['target']}: {v['measured']}" for v in result["verdicts"]]
     lines += ["", "## What each node sends per second (steady state, largest size per store)", ""]
-    for backend, label in BACKENDS.items():
+    for backend, label in STORES.items():
         done = [c for c in result["cases"] if c["backend"] == backend and "steady_calls_per_node_s" in c]
         if done:
             top = done[-1]
@@ -329,6 +346,7 @@ NOTES = [
     "get and a wait on the round's 'failed' key, every second) and the straggler records of "
     "--straggler-action report (one set per node per 5 s window; the leader reads every "
     "member's record, one get each: O(nodes) for the job, O(1) per node on average)",
+    c10d.NOTE,
     "re-forming: the nodes run as --nnodes N with a 30 s last call; for the re-form each "
     "survivor joins with MIN N-1 and no last call, so the new round closes as soon as the "
     "last live member of the old one is back, and the time measured is the protocol's",
@@ -347,7 +365,10 @@ def run(plan: Plan, quick: bool, log: Any, save: Any = None) -> dict[str, Any]:
             for backend, sizes in plan.sizes.items():
                 for n in sizes:
                     try:
-                        cases.append(run_case(backend, n, plan, tmp, log))
+                        if backend == "c10d":  # bounded: a round not formed is measured, not an error
+                            cases.append(c10d.run_case(n, plan.c10d_cap, tmp, log))
+                        else:
+                            cases.append(run_case(backend, n, plan, tmp, log))
                     except ScaleError as e:
                         log(f"  {BACKENDS[backend]} {n} nodes: {e}")
                         cases.append({"backend": backend, "nodes": n, "error": str(e)})
@@ -368,7 +389,7 @@ def _result(plan: Plan, quick: bool, machine: dict[str, Any], cases: list[dict[s
         "cases": cases, "verdicts": [v.to_json() for v in verdicts(cases, plan.heartbeat_interval, why)],
         "notes": NOTES + _lagged(cases, plan.heartbeat_interval),
         "params": {"sizes": plan.sizes, "heartbeat_interval": plan.heartbeat_interval,
-                   "form_cap_s": plan.form_cap, "reform_cap_s": plan.reform_cap,
+                   "form_cap_s": plan.form_cap, "c10d_cap_s": plan.c10d_cap, "reform_cap_s": plan.reform_cap,
                    "heartbeat_timeout": plan.heartbeat_timeout, "warmup_s": plan.warmup,
                    "window_s": plan.window, "form_limit_s": FORM_LIMIT, "reform_limit_s": REFORM_LIMIT,
                    "phases": list(plan.phases), "open_files_limit": fd_limit,
@@ -384,11 +405,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run under a minute: small sizes, "
                    "short clocks, no files in bench/results")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write this run's results here")
-    p.add_argument("--stores", metavar="LIST", help="comma-separated: tcp, etcd (default: both)")
+    p.add_argument("--stores", metavar="LIST", help="comma-separated: tcp, etcd (elastictk's rendezvous over "
+                   "each), c10d (torch's own, over a TCPStore; formation only) (default: all three)")
     p.add_argument("--sizes", metavar="LIST", help="comma-separated node counts (default: 8,64,256,1024)")
     p.add_argument("--phases", choices=("form", "all"), default="all",
                    help="form: formation alone (per-join costs and times); all: also steady state and a lost node")
+    p.add_argument("--curves", action="store_true", help="run nothing: redraw the before/after table in "
+                   "docs/benchmarks.md and docs/rendezvous-scale.svg from the kept report (a full run does it too)")
     args = p.parse_args(argv)
+    if args.curves:
+        from . import _rdzv_scale_curves as curves
+
+        try:
+            curves.regenerate(lambda msg: print(msg, file=sys.stderr))
+        except (ValueError, OSError) as e:
+            print(f"python -m bench rendezvous --scale --curves: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         plan = choose_plan(QUICK if args.quick else FULL, args.stores, args.sizes, args.phases)
     except ValueError as e:
@@ -428,6 +461,12 @@ def main(argv: list[str]) -> int:
         write_atomic(RESULTS_DIR / f"{NAME}.md", text)
         write_atomic(RESULTS_DIR / f"{NAME}.json", json.dumps(result, indent=2) + "\n")
         log(f"wrote {RESULTS_DIR / NAME}.md and .json")
+        from . import _rdzv_scale_curves as curves
+
+        try:  # the docs' before/after curves follow the kept report
+            curves.regenerate(log)
+        except (ValueError, OSError) as e:
+            log(f"the docs' curves were not redrawn: {e}")
     if args.json is not None:
         write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     failed = any("error" in c for c in result["cases"]) or any(v["passed"] is False for v in result["verdicts"])

@@ -5,7 +5,8 @@ are attacked at unit level with planted curves: a quadratic load, one that turns
 only at the top of the range, a round that formed too slowly. One end-to-end run of
 ``--quick`` (TCPStore and etcd, simulated nodes in forked workers) checks that the numbers it
 reports are the protocol's: a heartbeat per interval per node, a lost node noticed no sooner
-than its heartbeat timeout allows, every survivor in a new round without it.
+than its heartbeat timeout allows, every survivor in a new round without it; and that torch's
+c10d rendezvous ran beside it (8 nodes), formed, was counted and compared.
 """
 from __future__ import annotations
 
@@ -128,6 +129,15 @@ def test_quick_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     cases = {(c["backend"], c["nodes"]): c for c in result["cases"]}
     assert set(cases) == {(b, n) for b, sizes in QUICK.sizes.items() for n in sizes}
+    # torch's own c10d rendezvous, beside elastictk's on the same kind of server: formation only
+    theirs = cases.pop(("c10d", 8))
+    assert "error" not in theirs and theirs["ranked"] == 8, theirs
+    assert 0 < theirs["form_first_rank_s"] <= theirs["form_s"] < QUICK.c10d_cap
+    # its one state blob lists every node: a join moves more than elastictk's whole join does
+    assert theirs["form_join"]["calls"]["median"] >= 2 and theirs["form_join"]["bytes"]["median"] > 8 * 100
+    beside = [v for v in result["verdicts"] if "c10d" in v["target"]]
+    assert len(beside) == 1 and beside[0]["passed"] is not None and beside[0]["measured"].startswith("8: ")
+    assert "## elastictk beside torch's c10d rendezvous" in r.stdout and "| torch c10d | 8 | form |" in r.stdout
     for (backend, n), c in cases.items():
         assert "error" not in c, c
         assert 0 < c["form_first_rank_s"] <= c["form_s"] < QUICK.form_cap
@@ -147,6 +157,6 @@ def test_quick_run(tmp_path: Path) -> None:
             assert ("etcd_requests" in j) == (backend == "etcd")
     # Two sizes from 32 nodes on are needed for a growth verdict, and 64/256/1,024 for the
     # per-join ones: the quick run has fewer.
-    assert {v["verdict"] for v in result["verdicts"]} == {"UNKNOWN"}
+    assert {v["verdict"] for v in result["verdicts"] if "c10d" not in v["target"]} == {"UNKNOWN"}
     assert "| TCPStore | 8 | form |" in r.stdout
     assert "| TCPStore | 32 |" in r.stdout

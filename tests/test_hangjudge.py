@@ -112,7 +112,7 @@ def test_garbage_progress_words_never_raise_nor_leave_the_bounds(looks: list[lis
 def test_a_section_and_a_fault_point_are_progress_in_the_slot(monkeypatch: object) -> None:
     import elastictk
     from elastictk.faults.inworker import fault_point
-    from elastictk.metrics import marks, worker
+    from elastictk.metrics import blocked, marks, worker
     from elastictk.metrics.steps import WorkerStepsBlock
     from elastictk.timer.marksink import not_in_collective
 
@@ -135,7 +135,7 @@ def test_a_section_and_a_fault_point_are_progress_in_the_slot(monkeypatch: objec
         finally:
             del os.environ["ELASTICTK_METRICS_SHM"]
             worker._after_fork_in_child()
-            worker.untime_collectives()
+            blocked.untime_collectives()
             worker.deactivate()
             marks._enabled = False
             marks.set_sink(None)

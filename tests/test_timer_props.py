@@ -213,7 +213,7 @@ def test_worker_env_puts_the_site_hook_first_exactly_once(paths: list[str]) -> N
 
 
 @pytest.mark.parametrize("path, library", [
-    ("/venv/site-packages/elastictk/metrics/worker.py", True),   # the progress marks' wrapper
+    ("/venv/site-packages/elastictk/metrics/blocked.py", True),   # the progress marks' wrapper
     ("/venv/site-packages/elastictk/timer/collectives.py", True),
     ("/venv/site-packages/torch/distributed/distributed_c10d.py", True),
     ("/work/job/train.py", False),
@@ -222,5 +222,5 @@ def test_elastictks_collective_wrappers_are_never_where_a_rank_is_stuck(path: st
     """The innermost frame that is not a library's names where a stuck rank stands: the wrappers
     elastictk puts around every collective (timers, progress marks) are skipped to the user's
     line (with the marks' wrapper counted as the user's, a frozen peer was named at
-    metrics/worker.py instead of train.py)."""
+    metrics/worker.py, where the wrapper lived then, instead of train.py)."""
     assert Frame(path, 10, "f").is_library is library

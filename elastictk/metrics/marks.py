@@ -11,7 +11,7 @@ inside a section says which, so a long section is judged against that section's 
 duration.
 
 The collectives are the ``torch.distributed`` calls made from Python, wrapped by
-:func:`elastictk.metrics.worker.time_collectives`; DDP's gradient all-reduces run in C++
+:func:`elastictk.metrics.blocked.time_collectives`; DDP's gradient all-reduces run in C++
 inside ``backward()``, so once a ``DistributedDataParallel`` forward has run in the process,
 ``torch.autograd.backward`` counts as a collective (its end is the all-reduces' end). A call
 with ``async_op=True`` counts when it returns, not when its work completes.

@@ -32,20 +32,14 @@ for the first time, the steps the lower one counted in this process are taken ba
 counts twice.
 
 The straggler signal (``ELASTICTK_STEPS_COLLECTIVES=1``, set by the agent under
-``--straggler-action``): the ``torch.distributed`` calls made from Python are wrapped to add the
-time spent inside them to a per-process total, and each timed step adds its duration less the
-time it was blocked in them (its *own* time: data, forward, backward, a slow fault's sleep) to
-the slot. The rank the others wait for blocks least; see ``elastictk/agent/stragglers.py``.
-DDP's gradient all-reduces run in C++ inside ``backward()``, so once a
-``DistributedDataParallel`` module has run a forward in this process, ``torch.autograd.backward``
-counts as blocked as a whole: a rank slow before it (data, forward, a stall) is seen, one slow
-inside backward's own compute is not.
+``--straggler-action``): each timed step adds its duration less the time this process was
+blocked in ``torch.distributed`` calls (``blocked.py``) to the slot, its *own* time; the rank
+the others wait for blocks least (see ``elastictk/agent/stragglers.py``).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import mmap
 import os
 import sys
@@ -56,6 +50,7 @@ from types import ModuleType, TracebackType
 from typing import Any, Mapping, Optional
 
 from .._onimport import OnImport, now_or_on_import
+from . import blocked as _blocked
 from . import marks as _marks
 from .layout import (
     BLOCKED_SECONDS, BUCKET0, BUSY_SECONDS, BUSY_STEPS, CHECKPOINTS, CKPT_SECONDS, CKPT_STEPS, EPOCH,
@@ -68,8 +63,6 @@ ENV_PATH = "ELASTICTK_METRICS_SHM"
 ENV_HOOKS = "ELASTICTK_WORKER_HOOKS"
 ENV_STACKS = "ELASTICTK_PROGRESS_STACKS"  # "1": attach the timer region at start (stack dumps)
 ENV_COLLECTIVES = "ELASTICTK_STEPS_COLLECTIVES"  # "1": time blocked in collectives (stragglers)
-C10D = "torch.distributed.distributed_c10d"
-DDP = "torch.nn.parallel.distributed"
 HOOK = "elastictk.metrics.worker"
 OPTIM = "torch.optim.optimizer"
 AUTO, LOOP, USER = 1, 2, 3  # step sources, lowest first
@@ -99,7 +92,7 @@ class _Slot:
             raise ValueError(f"LOCAL_RANK {slot} has no slot in {path} ({q[H_SLOTS]} slots)")
         self.q, self.d, self.b = q, d, slot_base(slot)
         self.last: float | None = None
-        self.mark = _blocked  # the process's blocked total at its previous step
+        self.mark = _blocked.total  # the process's blocked total at its previous step
         self._attach()
 
     def _attach(self) -> None:
@@ -129,7 +122,8 @@ class _Slot:
             d[b + SECONDS] += seconds
             d[b + PROC_SECONDS] += seconds
             q[b + BUCKET0 + bucket_index(seconds)] += 1
-        blocked, self.mark = _blocked - self.mark, _blocked
+        total = _blocked.total
+        blocked, self.mark = total - self.mark, total
         if blocked:
             d[b + BLOCKED_SECONDS] += blocked
         if seconds is not None:
@@ -178,9 +172,6 @@ _state = _UNKNOWN
 _slot: _Slot | None = None
 _level = 0  # the highest step source seen in this process
 _lower: list[float | None] | None = []  # what lower sources recorded (None: too many to undo)
-_blocked = 0.0  # seconds this process spent inside wrapped torch.distributed calls
-_depth = 0  # > 0 while inside one (a collective calling another counts once)
-_ddp_ran = False  # a DistributedDataParallel forward ran here: backward() holds its all-reduces
 
 
 def _open() -> _Slot | None:
@@ -335,107 +326,8 @@ def activate_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
         _marks.enable()
         _ready()
     if env.get(ENV_COLLECTIVES) == "1" or env.get(_marks.ENV_MARKS) == "1":
-        time_collectives()
+        _blocked.time_collectives()
     return True
-
-
-# -- time blocked in collectives (the straggler signal) ----------------------------------------
-_c10d_pending: Optional[OnImport] = None
-_ddp_pending: Optional[OnImport] = None
-_wrapped: list[tuple[Any, str, Any]] = []  # (namespace, name, original), for undoing
-
-
-def time_collectives() -> None:
-    """Count the time this process spends inside ``torch.distributed`` calls made from Python
-    (now, or the moment ``distributed_c10d`` finishes loading; torch is never imported here)."""
-    global _c10d_pending, _ddp_pending
-    with _lock:
-        _c10d_pending = now_or_on_import(C10D, "all_reduce", _wrap_c10d, _lock, _c10d_pending)
-        _ddp_pending = now_or_on_import(DDP, "DistributedDataParallel", _wrap_ddp, _lock, _ddp_pending)
-
-
-def blocked_seconds() -> float:
-    """Seconds this process has spent inside the wrapped calls so far."""
-    return _blocked
-
-
-def _wrap_c10d(c10d: ModuleType) -> None:
-    global _c10d_pending
-    _c10d_pending = None
-    if _wrapped:
-        return
-    from ..timer.collectives import OPS
-
-    spaces = [c10d] + [m for m in (sys.modules.get("torch.distributed"),) if m is not None and m is not c10d]
-    for name in OPS:
-        fn = getattr(c10d, name, None)
-        if fn is None or not callable(fn):
-            continue
-        timed = _timed(fn)
-        for ns in spaces:
-            if getattr(ns, name, None) is fn:
-                setattr(ns, name, timed)
-                _wrapped.append((ns, name, fn))
-
-
-def _wrap_ddp(ddp: ModuleType) -> None:
-    """``DistributedDataParallel.forward`` notes that DDP runs here; ``torch.autograd.backward``
-    (``Tensor.backward`` calls it) counts as blocked from then on."""
-    global _ddp_pending
-    _ddp_pending = None
-    cls = getattr(ddp, "DistributedDataParallel", None)
-    autograd: Any = sys.modules.get("torch.autograd")
-    if cls is None or autograd is None or any(ns is cls for ns, _, _ in _wrapped):
-        return
-    forward = cls.forward
-
-    @functools.wraps(forward)
-    def ddp_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _ddp_ran
-        _ddp_ran = True
-        return forward(self, *args, **kwargs)
-
-    cls.forward = ddp_forward
-    _wrapped.append((cls, "forward", forward))
-    backward = autograd.backward
-    autograd.backward = _timed(backward, only_after_ddp=True)
-    _wrapped.append((autograd, "backward", backward))
-
-
-def _timed(fn: Any, only_after_ddp: bool = False) -> Any:
-    mono = time.monotonic
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        global _blocked, _depth
-        if _depth or (only_after_ddp and not _ddp_ran):
-            return fn(*args, **kwargs)
-        _depth += 1
-        start = mono()
-        if _marks._enabled:
-            _marks.collective_entered()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _blocked += mono() - start
-            _depth -= 1
-            if _marks._enabled:
-                _marks.collective_left()
-    return call
-
-
-def untime_collectives() -> None:
-    """Put the original functions back (tests)."""
-    global _c10d_pending, _ddp_pending
-    with _lock:
-        for ns, name, fn in reversed(_wrapped):
-            if getattr(getattr(ns, name, None), "__wrapped__", None) is fn:
-                setattr(ns, name, fn)
-        _wrapped.clear()
-        for pending in (_c10d_pending, _ddp_pending):
-            if pending is not None:
-                pending.cancel()
-        _c10d_pending = _ddp_pending = None
 
 
 def deactivate() -> None:

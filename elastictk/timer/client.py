@@ -28,7 +28,6 @@ use, so a process that never acquires a timer never maps anything.
 from __future__ import annotations
 
 import faulthandler
-import fcntl
 import functools
 import mmap
 import os
@@ -39,6 +38,7 @@ from types import CodeType
 from typing import Any, Callable, Optional, TypeVar
 
 from . import layout as L
+from .region import TimerError, claim
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,11 +74,6 @@ def _wake() -> None:
             os.write(_wake_fd, b"\0")
         except OSError:  # full: a wake-up is pending anyway; gone: the agent is gone
             pass
-
-
-class TimerError(RuntimeError):
-    """Timers used wrongly (entered twice, released unheld, too many held) or a region that
-    cannot be attached; the message says what to do."""
 
 
 # -- the hot path -----------------------------------------------------------------------------
@@ -305,49 +300,14 @@ def _attach_locked(path: str, local_rank: int) -> None:
         raise TimerError(f"timers of this process are already attached to {_attached}")
     if len(_free) not in (0, L.SLOTS):
         raise TimerError("cannot attach while timers are held; attach before the first timer")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise TimerError(f"cannot open timer regions {path}: {e.strerror} (the agent that "
-                         "started this worker created them; is it still running?)") from None
-    offset = local_rank * L.REGION_SIZE
-    mm: Optional[mmap.mmap] = None
-    sfd = -1
-    try:
-        size = os.fstat(fd).st_size
-        if local_rank < 0 or offset + L.REGION_SIZE > size:
-            raise TimerError(f"{path} has regions for local ranks 0..{size // L.REGION_SIZE - 1}, "
-                             f"not {local_rank}; LOCAL_RANK does not match the agent's group")
-        try:  # the claim: held until this process dies, not inherited by its children
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, L.REGION_SIZE, offset)
-        except OSError:
-            raise TimerError(f"timer region {local_rank} is already used by another process (a "
-                             "process this worker started inherited its environment)") from None
-        mm = mmap.mmap(fd, L.REGION_SIZE, offset=offset)
-        problem = L.check_header(memoryview(mm))
-        if problem is not None:
-            raise TimerError(f"cannot use region {local_rank} of {path}: {problem}")
-        dump_signal = L.U32.unpack_from(mm, L.OFF_SIGNAL)[0]
-        sfd = os.memfd_create(L.STACKS_MEMFD_NAME, os.MFD_CLOEXEC)
-        try:
-            faulthandler.register(dump_signal, file=sfd, all_threads=True, chain=False)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise TimerError(
-                f"cannot register the stack dump for signal {dump_signal}: {e}") from None
-    except BaseException:
-        if sfd >= 0:
-            os.close(sfd)
-        if mm is not None:
-            mm.close()
-        os.close(fd)  # also drops the claim
-        raise
-    buf = memoryview(mm)
-    _wake_fd = _open_wake(path, L.U32.unpack_from(buf, L.OFF_WAKE_FD)[0])
-    _buf, _mmap, _stacks_fd, _region_fd = buf, mm, sfd, fd
+    region = claim(path, local_rank)
+    buf = memoryview(region.mm)
+    _wake_fd = region.wake_fd
+    _buf, _mmap, _stacks_fd, _region_fd = buf, region.mm, region.stacks_fd, region.fd
     _table_len, _table_full = 0, False
     for name in _names:
         _publish(name)
-    L.U32.pack_into(buf, L.OFF_STACKS_FD, sfd)
+    L.U32.pack_into(buf, L.OFF_STACKS_FD, region.stacks_fd)
     L.U64.pack_into(buf, L.OFF_MAIN_THREAD, threading.main_thread().ident or 0)
     L.U64.pack_into(buf, L.OFF_OWNER, os.getpid())  # last: the agent may now act on this region
     _attached, _inert_reason = f"{path} region {local_rank}", None
@@ -362,17 +322,6 @@ def attach_from_env() -> bool:
         if _attached is None and not _free:
             _attach_from_env_locked()
         return _attached is not None
-
-
-def _open_wake(regions_path: str, wake_fd: int) -> int:
-    """The agent's wake pipe, or -1 (then the agent still looks every idle interval)."""
-    path = L.wake_path(regions_path, wake_fd)
-    if path is None:
-        return -1
-    try:
-        return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return -1
 
 
 def _attach_from_env_locked() -> None:

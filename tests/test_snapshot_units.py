@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from elastictk.cli.args import parse_args
 from elastictk.cli.values import UsageError
 from elastictk.snapshot import codec
-from elastictk.snapshot import dcp as dcp_tier
+from elastictk.snapshot import dcptree as dcp_tier
 from elastictk.snapshot.dcp import DcpDisk
 from elastictk.snapshot.local import Holder, Region, SnapshotTooBig
 from elastictk.snapshot.settings import SettingsError, parse_bytes

@@ -24,7 +24,7 @@ gathers them over the snapshot's own process group and writes ``COMPLETE`` with 
 then keeps the newest :data:`~elastictk.snapshot.settings.KEEP` complete steps. A restore
 checks the files first (each rank a share) and a step with any torn file is not used.
 
-The tensors go to DCP under flat keys, one per tensor path in the state (``objects/model/0.weight``);
+The tensors go to DCP under flat keys, one per tensor path in the state (``dcptree.py``);
 everything else (optimizer hyper-parameters, the step) stays in ``skeleton.pt``, read back with
 ``weights_only=True`` (plain data, no code: DCP's own path for non-tensors unpickles freely).
 Tensors that are not DTensors are *replicated* (DDP-style: every rank holds the same), and DCP
@@ -50,13 +50,13 @@ from typing import Any, Optional
 
 from . import trust
 from .codec import checksum
-from .reshard import _is_dtensor, paths, remap
+from .dcptree import flatten, keys, tensor_key, unflatten
+from .reshard import _is_dtensor, paths
 from .settings import KEEP
 
 COMPLETE = "COMPLETE"
 SKELETON = "skeleton.pt"
 METADATA = ".metadata"
-MARK = "__etk_dcp__"
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _TEMP_DIR = re.compile(r"\.step-(\d+)\.")  # a step being written (or left by a killed job)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -106,59 +106,6 @@ def make_root(root: Path) -> None:
         except OSError as e:
             raise trust.Refused(f"cannot create {root}: {e.strerror or e}") from None
     trust.private_dir(root)
-
-
-def tensor_key(path: tuple[Any, ...]) -> str:
-    """A DCP key for a tensor's path (``objects/optimizer/state/#0/momentum_buffer``)."""
-    return "/".join(k.replace("%", "%25").replace("/", "%2F").replace("#", "%23")
-                    if isinstance(k, str) else f"#{k}" for k in path)
-
-
-def flatten(tree: Any) -> tuple[Any, dict[str, Any]]:
-    """``tree`` with each tensor replaced by ``{MARK: key}``, and the tensors by key."""
-    flat: dict[str, Any] = {}
-
-    def mark(path: tuple[Any, ...], t: Any) -> Any:
-        key = tensor_key(path)
-        flat[key] = t
-        return {MARK: key}
-
-    return remap(tree, mark), flat
-
-
-def unflatten(skeleton: Any, flat: dict[str, Any]) -> Any:
-    from collections import OrderedDict
-
-    if isinstance(skeleton, dict):
-        if len(skeleton) == 1 and MARK in skeleton:
-            return flat[skeleton[MARK]]
-        out = OrderedDict() if isinstance(skeleton, OrderedDict) else {}
-        for k, v in skeleton.items():
-            out[k] = unflatten(v, flat)
-        return out
-    if isinstance(skeleton, list):
-        return [unflatten(v, flat) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(unflatten(v, flat) for v in skeleton)
-    return skeleton
-
-
-def keys(skeleton: Any) -> list[str]:
-    out: list[str] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            if len(x) == 1 and MARK in x:
-                out.append(x[MARK])
-                return
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(skeleton)
-    return out
 
 
 def file_sum(path: Path) -> int:

@@ -51,9 +51,14 @@ def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path:
     # A world of one takes no step (--hold-below-world 2): node 1's agent starts a minute late on
     # a loaded host, and node 0 alone (--nnodes 1:2) used to run the whole job before it came, so
     # the faults, timed from the full world, never fired; likewise the rejoined node.
+    # Heartbeat timeout 5 s, not the module's 1.5 s: at a load average of 66 node 0's own beat
+    # went unsent for 1.8 s, so its fence stopped it (exit 1) while it waited for the rejoin.
+    # The node rejoins 7 s after its kill, past the survivor's 5 s to see it lost, and the
+    # survivor still trains then (120 steps), so the loss is a membership change, idle or loaded.
+    conf = CONF.replace("heartbeat_timeout=1.5", "heartbeat_timeout=5")
     plan = planned(tmp_path, Fault.of("store-outage:1", "store", at_s=1), Fault.of("kill-agent", "node:1", at_s=3))
-    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--rejoin", "1", "--nproc-per-node", "1",
-              "--max-restarts", "0", "--rdzv-conf", CONF, "--", STEPS, "--steps", "60", "--step-time", "0.1",
+    r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--rejoin", "7", "--nproc-per-node", "1",
+              "--max-restarts", "0", "--rdzv-conf", conf, "--", STEPS, "--steps", "120", "--step-time", "0.1",
               "--hold-below-world", "2", timeout=480)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     d = report(tmp_path)

@@ -39,12 +39,14 @@ JOINS = ("form_join", "reform_join", "form_join_unfinished")
 
 
 def before_join(backend: str, n: int) -> tuple[str, str] | None:
-    """Per join before the O(1) join, from the outside analysis of main at daae3d1 (instrumented
-    runs at 32-256 nodes; daae3d1's report did not count them): on TCPStore about 12 calls and
-    72 bytes per member plus 560 (every joiner read the N-member result); on etcd 22, 43 and 81
-    requests at 32, 64 and 128 nodes (a compare-and-set counter every joiner raced on)."""
+    """Per join before the O(1) join (what one join sent, and what one rejoin after a lost node
+    moved), from the outside analysis of main at daae3d1 (instrumented runs at 32-256 nodes;
+    daae3d1's report did not count them): on TCPStore about 12 calls and 72 bytes per member
+    plus 560 (every joiner read the N-member result), about 290 bytes per member to rejoin (the
+    old result read three times, then the new one); on etcd 22, 43 and 81 requests at 32, 64 and
+    128 nodes (a compare-and-set counter every joiner raced on)."""
     if backend == "tcp":
-        return "~12", f"≈ {72 * n + 560:,} B"
+        return f"~12, ≈ {72 * n + 560:,} B", f"≈ {290 * n:,} B"
     if backend == "etcd" and n in BEFORE_ETCD_REQUESTS:
         return f"{BEFORE_ETCD_REQUESTS[n]} etcd requests", "—"
     return None
@@ -70,7 +72,7 @@ def _join(j: Any) -> dict[str, float] | None:
 
 def _case(c: Any) -> dict[str, Any] | None:
     """The fields of one case the curves use, checked; None for what is not a case."""
-    if not isinstance(c, dict) or c.get("backend") not in NAMES:
+    if not isinstance(c, dict) or not isinstance(c.get("backend"), str) or c["backend"] not in NAMES:
         return None
     n = c.get("nodes")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= 1 << 20:
@@ -80,7 +82,7 @@ def _case(c: Any) -> dict[str, Any] | None:
         out[f] = _num(c.get(f))
     for f in JOINS:
         out[f] = _join(c.get(f))
-    for f in ("error", "form_note"):
+    for f in ("error", "form_note", "reform_note"):
         out[f] = c[f][:200] if isinstance(c.get(f), str) else None
     return out
 
@@ -113,10 +115,19 @@ def _formed(c: dict[str, Any] | None) -> str:
         return "not run"
     if c["error"]:
         m = re.search(r"(\d+) node\(s\) did not join", c["error"])
-        return f"did not form ({m.group(1)} of {c['nodes']:,} nodes held no rank)" if m else "failed"
+        return f"did not form ({int(m.group(1)):,} of {c['nodes']:,} nodes held no rank)" if m else "failed"
     if c["form_note"]:
         return c["form_note"].split(" (")[0]
     return _t(c["form_s"])
+
+
+def _reformed(c: dict[str, Any] | None) -> str:
+    """From the first peer naming the lost node to every survivor in a new round."""
+    if c is not None and c["reformed_s"] is None and c["reform_note"]:
+        return c["reform_note"].split(" (")[0]
+    if c is None or c["reformed_s"] is None or c["lost_noticed_s"] is None:
+        return "—"
+    return _t(c["reformed_s"] - c["lost_noticed_s"])
 
 
 def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
@@ -124,8 +135,9 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str
     b = {(c["backend"], c["nodes"]): c for c in before}
     a = {(c["backend"], c["nodes"]): c for c in after}
     lines = ["| store | nodes | per join before: calls, bytes | per join after: calls, bytes (median node) "
-             "| store calls per node to form, before / after | round formed, before / after "
-             "| nodes' CPU to form, before / after |", "|" + "---|" * 7]
+             "| per rejoin after a lost node, before / after | store calls per node to form, before / after "
+             "| round formed, before / after | nodes' CPU to form, before / after "
+             "| re-formed after a loss was noticed, before / after |", "|" + "---|" * 9]
     for backend in NAMES:
         for n in sorted({k[1] for k in (*b, *a) if k[0] == backend}):
             cb, ca = b.get((backend, n)), a.get((backend, n))
@@ -141,8 +153,11 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str
             def cpu(c: dict[str, Any] | None) -> str:
                 return "—" if c is None else _t(c["form_nodes_cpu_s"])
             was = "—" if backend == "c10d" else _formed(cb)
-            lines.append(f"| {NAMES[backend]} | {n:,} | {', '.join(old) if old else '—'} | {new} "
-                         f"| {per_node(cb)} / {per_node(ca)} | {was} / {_formed(ca)} | {cpu(cb)} / {cpu(ca)} |")
+            r = ca and ca["reform_join"]
+            rejoin = f"{old[1] if old else '—'} / " + ("—" if not r else f"{r['bytes']:,.0f} B")
+            lines.append(f"| {NAMES[backend]} | {n:,} | {old[0] if old else '—'} | {new} | {rejoin} "
+                         f"| {per_node(cb)} / {per_node(ca)} | {was} / {_formed(ca)} | {cpu(cb)} / {cpu(ca)} "
+                         f"| {_reformed(cb)} / {_reformed(ca)} |")
     return lines
 
 
@@ -167,12 +182,14 @@ def draw(before: list[dict[str, Any]], after: list[dict[str, Any]], path: Path) 
     except ImportError:
         return False
     plt.rcParams["svg.hashsalt"] = "rendezvous-scale"  # the same figure, the same file
+    plt.rcParams["svg.fonttype"] = "none"  # text as text: a small file
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     style = {"tcp": ("tab:blue", "o"), "etcd": ("tab:green", "s"), "c10d": ("tab:red", "D")}
     ns = sorted({c["nodes"] for c in (*before, *after)})
     ax = axes[0]
     if ns:
-        ax.plot(ns, [72 * n + 560 for n in ns], "--", color="tab:blue", label="TCPStore before (72·N + 560)")
+        ax.plot(ns, [72 * n + 560 for n in ns], "--", color="tab:blue", label="TCPStore before (≈ 72·N + 560)")
+        ax.plot(ns, [290 * n for n in ns], ":", color="tab:blue", label="TCPStore before, rejoin (≈ 290·N)")
     for backend, (color, marker) in style.items():
         pts = [(c["nodes"], (c["form_join"] or c["form_join_unfinished"])["bytes"], not c["form_join"])
                for c in after if c["backend"] == backend and (c["form_join"] or c["form_join_unfinished"])]
@@ -180,6 +197,10 @@ def draw(before: list[dict[str, Any]], after: list[dict[str, Any]], path: Path) 
         name = f"{NAMES[backend]} after" if backend != "c10d" else NAMES[backend]
         if done:
             ax.plot([p[0] for p in done], [p[1] for p in done], marker=marker, color=color, label=name)
+        again = [(c["nodes"], c["reform_join"]["bytes"]) for c in after if c["backend"] == backend and c["reform_join"]]
+        if again:
+            ax.plot([p[0] for p in again], [p[1] for p in again], ":", marker=marker, color=color, fillstyle="none",
+                    label=f"{name}, rejoin")
         if len(done) < len(pts):  # a round not formed by its cap: what its joins had sent, at least
             ax.plot([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "^", color=color, fillstyle="none",
                     label=f"{name}: not formed, so far")

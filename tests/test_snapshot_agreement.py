@@ -1,6 +1,6 @@
 """The restore agreement and the local slots it reads, in one process (threads play the ranks).
 
-Each rank's Snapshotter writes real slots of a real agent memfd (Holder); ``worker.gather`` is
+Each rank's Snapshotter writes real slots of a real agent memfd (Holder); ``restoring.gather`` is
 replaced by an all-gather across threads, so ``Snapshotter.restore``'s own loop decides.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastictk.snapshot import worker
+from elastictk.snapshot import restoring
 from elastictk.snapshot.codec import checksum, used_size
 from elastictk.snapshot.codec import read as codec_read
 from elastictk.snapshot.local import META_BASE, Holder, HolderError, Region
@@ -50,7 +50,7 @@ class ThreadGather:
 
 def restore_all(snaps: list[Snapshotter], monkeypatch: pytest.MonkeyPatch) -> list[Optional[Restored]]:
     g = ThreadGather(len(snaps))
-    monkeypatch.setattr(worker, "gather", g)
+    monkeypatch.setattr(restoring, "gather", g)
     out: list[Optional[Restored]] = [None] * len(snaps)
     errors: list[BaseException] = []
 

@@ -112,7 +112,7 @@ def _skeleton(data: memoryview) -> tuple[Any, list[tuple[str, list[int], int, in
     for entry in meta:
         try:
             dtype_name, shape, off, nbytes = entry
-            dtype = getattr(torch, dtype_name) if isinstance(dtype_name, str) else None
+            dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
             numel = 1
             for d in shape:
                 numel *= int(d) if isinstance(d, int) and d >= 0 else -1

@@ -90,6 +90,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
+        self.whole = self.torn = 0  # parts that arrived and were kept / refused by their checksum
         self._log = RateLimitedLog(log, "snapshot peer tier")
         self._accepting = threading.Thread(target=self._accept, name="elastictk-peer-accept", daemon=True)
         self._accepting.start()
@@ -242,10 +243,12 @@ class PeerServer:
             self.replicas.discard(rep)
             why = (f"rank {key.rank}'s part of step {key.step} from {who} is torn (checksum "
                    f"{got:016x} != {digest:016x}); not kept")
+            self.torn += 1
             self._warn(f"torn {who}", why)
             send(conn, {"ok": False, "why": why})
             return
         gone = self.replicas.keep(rep)
+        self.whole += 1
         if self.on_kept is not None:
             self.on_kept(key, gone)
         send(conn, {"ok": True})

@@ -3,8 +3,13 @@
 Each replica lives in an anonymous shared mapping of its own, sized to the part (nothing in
 ``/dev/shm``, no file descriptor: it dies with this agent), so a part is received straight into
 the memory that keeps it and a thousand replicas cost no descriptor the agent needs for its
-workers, stores and ``/proc``. At most :data:`KEEP` steps are kept per (rank, world size); the
-bytes of all replicas together stay within ``--snapshot-memory``, and the replicas are counted
+workers, stores and ``/proc``. At most :data:`KEEP` steps are kept per (rank, world size). A
+newer part arrives beside the one kept, which is dropped only once the new one is whole and
+verified: a send cut short (its sender lost mid-send, the very case a replica exists for) never
+costs the last whole replica. So a node holds its two local slots, the kept replica and, for
+the length of a send, the arriving one: 3x the state at rest, 4x while a part arrives, and
+never more. The bytes of all replicas, kept and arriving, stay within ``--snapshot-memory`` at
+every instant (the one about to be superseded counts until it goes), and the replicas are counted
 too, not only their bytes (at most :data:`MAX_REPLICAS`; a part of zero bytes is refused before
 it gets here). One peer (one sender address) may hold at most :data:`MAX_PEER_REPLICAS` of them
 and have at most half the memory bound reserved for parts still arriving
@@ -27,7 +32,7 @@ from typing import Iterable, Optional
 
 from .settings import human
 
-KEEP = 1  # the newest whole step per rank: 2 local slots + 1 replica = 3x the state per node
+KEEP = 1  # the newest whole step per rank: 2 local slots + 1 replica = 3x the state per node at rest
 MAX_REPLICAS = 1024  # replicas held or arriving, from all peers together
 MAX_PEER_REPLICAS = 256  # ... from one peer (a node ships its local ranks x KEEP: 8 x 1 typically)
 PEER_INFLIGHT = 0.5  # of the memory bound, the most one peer may have reserved for arriving parts
@@ -67,7 +72,6 @@ class Replica:
     length: int
     _mm: Optional[mmap.mmap]
     peer: str = ""  # the address it came from: per-peer limits count it there
-    frees: frozenset[Key] = frozenset()  # held replicas it drops when kept, credited to it alone
     users: int = 0
     dropped: bool = False
     kept: bool = field(default=False)
@@ -103,29 +107,27 @@ class Replicas:
 
     def reserve(self, key: Key, digest: int, length: int, peer: str = "") -> Replica:
         """Memory for a replica about to be received from ``peer`` (its address);
-        :class:`NoRoom` if it cannot fit even after the replicas keeping it would drop, or if it
-        would pass a count or per-peer limit (the message names which, and the values)."""
+        :class:`NoRoom` if it does not fit beside what is held and arriving (the replica it
+        supersedes included: that one stays whole until this one is), or if it would pass a
+        count or per-peer limit (the message names which, and the values)."""
         if length < 0:  # messages.put_request refuses it; the budget arithmetic must never see one
             raise ValueError(f"a replica of {length} bytes")
         with self._lock:
-            frees = self._check_limits(key, length, peer)
+            self._check_limits(key, length, peer)
             mm = mmap.mmap(-1, max(length, 1))  # MAP_SHARED|MAP_ANONYMOUS: shmem, no descriptor
-            rep = Replica(key, digest, length, mm, peer, frees)
+            rep = Replica(key, digest, length, mm, peer)
             self._pending.add(rep)
             return rep
 
-    def _check_limits(self, key: Key, length: int, peer: str) -> frozenset[Key]:
-        """The held replicas a reservation for ``key`` may count as freed (none already counted
-        by another one arriving: two puts of one rank cannot both spend the same bytes), or
-        :class:`NoRoom`. Counts are strict: a replica about to be superseded still counts until
-        it is dropped (it still holds its mapping)."""
-        credited = {k for r in self._pending for k in r.frees}
-        gone = frozenset(superseded(self._held, key) - credited)
-        freed = sum(self._held[k].length for k in gone)
-        if self.used() - freed + length > self.budget:
+    def _check_limits(self, key: Key, length: int, peer: str) -> None:
+        """:class:`NoRoom` unless a reservation for ``key`` fits every limit. Bytes and counts are
+        strict: a replica about to be superseded still counts until it is dropped (it still holds
+        its mapping until the new one is whole), so the replicas' mapped bytes never pass
+        ``--snapshot-memory``, also while one arrives beside the one it replaces."""
+        if self.used() + length > self.budget:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) does "
-                         f"not fit: {human(self.used() - freed)} of {human(self.budget)} "
-                         "(--snapshot-memory) held; raise --snapshot-memory")
+                         f"not fit: {human(self.used())} of {human(self.budget)} "
+                         "(--snapshot-memory) held or arriving; raise --snapshot-memory")
         if len(self._held) + len(self._pending) >= self.max_replicas:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} refused: {self.max_replicas} "
                          "replicas held or arriving already (the most this agent keeps)")
@@ -139,7 +141,6 @@ class Replicas:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) refused: "
                          f"{peer or 'this peer'} has {human(inflight)} arriving already, and one peer may "
                          f"have at most half of --snapshot-memory ({human(self.budget)}) arriving")
-        return gone
 
     def keep(self, rep: Replica) -> list[Key]:
         """Make a received, verified replica available; the keys it dropped."""

@@ -1,0 +1,110 @@
+"""A node's snapshot memory stays within its bound: two local slots and one replica at rest (3x
+the state), and one arriving part more while a newer replica arrives (4x), never more.
+
+Two agents' tiers in one process, a ring of two (each ships to the other), both workers
+committing every few milliseconds while each send is throttled to ~0.1 s, as in a job whose
+sends are slower than its steps. Memory is counted as bytes held, not as time: each node's
+memfd pages written (``st_blocks``: the local tier, which the worker maps too) plus every
+anonymous shared mapping of this process (``/proc/self/maps``: the replicas, kept and
+arriving, each a ``/dev/zero (deleted)`` mapping), sampled while the job commits and once at
+rest, when the last commit of each node has arrived whole.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from elastictk.snapshot.local import Holder, Region
+from elastictk.snapshot.peertier import PeerTier
+from elastictk.snapshot.settings import ENV_NOTIFY
+
+JOB, TOKEN = "memory-test", "memory-token"
+PART = 1 << 20  # the state: one part per node
+PAGE = 4096
+SLACK = 16 * PAGE  # the region's header and slot metas, rounding
+
+
+class Member:
+    def __init__(self, node_id: str, rank: int, meta: dict[str, object]) -> None:
+        self.node_id, self.rank, self.meta = node_id, rank, meta
+
+
+def _anon_shared() -> int:
+    """Bytes of this process's anonymous shared mappings (MAP_SHARED|MAP_ANONYMOUS)."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == "/dev/zero" and fields[1][3] == "s":
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def _commit(region: Region, step: int, rank: int) -> None:
+    i = region.begin()
+    region.data(i)[:PART] = step.to_bytes(4, "little") * (PART // 4)
+    region.publish(i, step, PART, rank, 2)
+    region.seal(i)
+
+
+def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_more_at_most() -> None:
+    base = _anon_shared()
+    holders = [Holder(1, 4 * PART) for _ in range(2)]
+    tiers = [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, 4 * PART) for h in holders]
+    workers: list[Region] = []
+    peak = {"total": 0}
+    stop = threading.Event()
+
+    def node_memory() -> int:
+        """Both nodes together: local tiers written plus replicas mapped."""
+        local = sum(os.stat(h.path).st_blocks * 512 for h in holders)
+        return local + _anon_shared() - base
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak["total"] = max(peak["total"], node_memory())
+            stop.wait(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        for t in tiers:
+            t.rate = PART / 0.1  # each send ~0.1 s: several commits land during one
+        members = [Member(f"node{i}", i, {"addr": "127.0.0.1", **tiers[i].meta()}) for i in range(2)]
+        for i in range(2):
+            tiers[i].round(members, 2, f"node{i}", i, prefetch=False)
+        workers = [Region(h.path, 0, h.region, h.memory, 1, notify=t.env()[ENV_NOTIFY])
+                   for h, t in zip(holders, tiers)]
+        sampler.start()
+        step, deadline = 0, time.monotonic() + 120
+        while min(t.server.whole for t in tiers) < 5:  # five replicas each, sent while committing
+            assert time.monotonic() < deadline, [t.server.whole for t in tiers]
+            step += 1
+            for rank, w in enumerate(workers):
+                _commit(w, step, rank)
+            time.sleep(0.01)
+        while not all(any(k.step == step for k in t.replicas.index()) for t in tiers):  # the last
+            assert time.monotonic() < deadline, "the last commits never arrived"
+            time.sleep(0.01)
+        stop.set()
+        sampler.join()
+        at_rest = node_memory()
+        assert [t.server.torn for t in tiers] == [0, 0], "every replica arrived whole"
+        per_node_peak, per_node_rest = peak["total"] / 2, at_rest / 2
+        assert per_node_rest <= 3 * PART + SLACK, (
+            f"at rest a node holds {per_node_rest / PART:.2f}x the state: two local slots and one "
+            "replica are 3x")
+        assert per_node_peak <= 4 * PART + SLACK, (
+            f"a node held {per_node_peak / PART:.2f}x the state: two local slots, the kept replica "
+            "and one arriving part are 4x")
+        print(f"per node: {per_node_peak / PART:.2f}x at the peak, {per_node_rest / PART:.2f}x at rest")
+    finally:
+        stop.set()
+        for w in workers:
+            w.close()
+        for t in tiers:
+            t.close()
+        for h in holders:
+            h.close()
+    assert _anon_shared() == base, "every replica's mapping went with its tier"

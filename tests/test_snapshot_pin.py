@@ -139,3 +139,44 @@ def test_sends_slower_than_the_steps_deliver_whole_replicas_and_the_lag_is_said(
         for h in holders:
             h.close()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("elastictk-replicator")]
+
+
+def test_a_connection_the_receiver_closed_while_idle_is_made_anew_and_the_part_still_arrives(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Between commits (a long eval, a slow step) the receiving server closes an idle sender's
+    connection; the next put on it found it closed and the part was not replicated (a send lost,
+    the replica one more send behind). Now the sender connects anew once and the part arrives."""
+    from elastictk.snapshot import peer
+
+    monkeypatch.setattr(peer, "TIMEOUT", 0.3)  # the server's idle limit, 60 s in a job
+    holders = [Holder(1, 1 << 20) for _ in range(2)]
+    tiers = [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, 1 << 20) for h in holders]
+    worker = None
+    caplog.set_level(logging.INFO, logger="elastictk.snapshot")
+
+    def wait(cond: object, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():  # type: ignore[operator]
+            assert time.monotonic() < deadline, f"{what}; log: {caplog.text[-2000:]}"
+            time.sleep(0.01)
+
+    try:
+        members = [Member(f"node{i}", i, {"addr": "127.0.0.1", **tiers[i].meta()}) for i in range(2)]
+        for i in range(2):
+            tiers[i].round(members, 2, f"node{i}", i, prefetch=False)
+        worker = Region(holders[1].path, 0, holders[1].region, holders[1].memory, 1,
+                        notify=tiers[1].env()[ENV_NOTIFY])
+        _commit(worker, 1, _part(1, 4096))
+        wait(lambda: [k.step for k in tiers[0].replicas.index()] == [1], "step 1 never arrived")
+        wait(lambda: tiers[0].server.connections()[1] == 0, "the idle connection was never closed")
+        _commit(worker, 2, _part(2, 4096))
+        wait(lambda: [k.step for k in tiers[0].replicas.index()] == [2], "step 2 never arrived")
+        assert "not replicated" not in caplog.text, caplog.text[-2000:]
+        assert tiers[0].server.whole == 2 and tiers[0].server.torn == 0
+    finally:
+        if worker is not None:
+            worker.close()
+        for t in tiers:
+            t.close()
+        for h in holders:
+            h.close()

@@ -214,14 +214,22 @@ class PeerTier:
     def _put(self, e: Endpoint, node_id: str, region: Region, m: Any) -> bool:
         """Send pinned slot ``m`` to ``e``; whether ``e`` kept it."""
         try:
-            c = self._clients.get(e)
-            if c is None:
-                c = self._clients[e] = PeerClient(e[1], e[2], self.key, self.job, timeout=CONNECT_TIMEOUT)
-                c.timeout = PUT_TIMEOUT
             if self.rate and select.select([self._stop_r], [], [], m.length / self.rate)[0]:
                 return False  # closing
-            c.put(node_id, m.rank, m.world, m.step, m.digest, region.data(m.index)[:m.length])
-            return True
+            for _ in range(2):
+                c = self._clients.get(e)
+                pooled = c is not None
+                if c is None:
+                    c = self._clients[e] = PeerClient(e[1], e[2], self.key, self.job, timeout=CONNECT_TIMEOUT)
+                    c.timeout = PUT_TIMEOUT
+                try:
+                    c.put(node_id, m.rank, m.world, m.step, m.digest, region.data(m.index)[:m.length])
+                    return True
+                except (WireError, OSError) as err:
+                    if not pooled or (isinstance(err, WireError) and "after 0 of" not in str(err)):
+                        raise
+                    self._drop_client(e)  # the server closed it while it sat idle: once more, anew
+            return False
         except WireError as err:
             self._warn(f"put {e[1]} {type(err).__name__}", f"rank {m.rank}'s step {m.step} not "
                        f"replicated to {e[1]}: {err}")

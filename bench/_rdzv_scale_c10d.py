@@ -297,7 +297,10 @@ def _median(c: dict[str, Any], field: str) -> float | None:
 
 
 def _x(theirs: float, ours: float, at_least: bool) -> str:
-    return f"{'≥ ' if at_least else ''}×{theirs / ours:,.3g}" if ours > 0 else "—"
+    if ours <= 0:
+        return "—"
+    r = theirs / ours
+    return f"{'≥ ' if at_least else ''}×{r:,.0f}" if r >= 100 else f"{'≥ ' if at_least else ''}×{r:.3g}"
 
 
 def compare(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

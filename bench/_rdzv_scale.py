@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 
 from .common import RESULTS_DIR, fmt, loadavg, machine_info, now_text, raise_fd_limit, write_atomic
+from . import _rdzv_scale_beside as beside
 from . import _rdzv_scale_c10d as c10d
 from ._rdzv_scale_fit import Verdict, formed_within, linear_growth
 from ._rdzv_scale_join import (
@@ -255,7 +256,7 @@ def verdicts(cases: list[dict[str, Any]], heartbeat_interval: float = 1.0,
                                  [c["steady_calls_per_s"] for c in mine]))
         out.append(linear_growth(f"{label}: the server's CPU in steady state", ns,
                                  [c["steady_server_cpu"] for c in mine]))
-    out.append(c10d.beside_verdict(cases))
+    out.append(beside.beside_verdict(cases))
     return out
 
 
@@ -305,9 +306,9 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"\n{BACKENDS[c['backend']]} with {c['nodes']:,} nodes: {note}.")
     lines += ["", "## Per join (each node's own connection: calls, keys and values in and out)", ""]
     lines += markdown_rows(result["cases"], BACKENDS)
-    lines += c10d.unfinished_rows(result["cases"])
+    lines += beside.unfinished_rows(result["cases"])
     if any(c["backend"] == "c10d" for c in result["cases"]):
-        lines += [""] + c10d.markdown(result["cases"])
+        lines += [""] + beside.markdown(result["cases"])
     if result.get("refusal"):
         lines += ["", f"Times {result['refusal']}."]
     lines += ["", "## Verdicts", ""]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import _rdzv_scale_c10d as c10d
+from bench import _rdzv_scale_beside as beside
 from bench._rdzv_scale import QUICK, choose_plan, markdown, verdicts
 
 
@@ -34,7 +34,7 @@ def _theirs(n: int, form_s: float | None, nbytes: float, cap: float = 60.0) -> d
 
 
 def _word(cases: list[dict[str, Any]]) -> bool | None:
-    return c10d.beside_verdict(cases).passed
+    return beside.beside_verdict(cases).passed
 
 
 def test_elastictk_sooner_and_lighter_passes_and_either_side_failing_fails() -> None:
@@ -44,26 +44,26 @@ def test_elastictk_sooner_and_lighter_passes_and_either_side_failing_fails() -> 
     assert _word(slower) is False  # c10d formed sooner at 64 nodes
     heavier = [_ours(8, 0.01, nbytes=5_000), _theirs(8, 1.3, 4_000)]
     assert _word(heavier) is False  # c10d's median join moved fewer bytes
-    rows = c10d.compare(both)
+    rows = beside.compare(both)
     assert [(r["nodes"], r["c10d_state"]) for r in rows] == [(8, "formed"), (64, "formed")]
-    assert "| 64 | 0.1 s | 1.4 s | ×14 | 5, 840 B | 5, 20,000 B | ×23.8 |" in c10d.markdown(both)
+    assert "| 64 | 0.1 s | 1.4 s | ×14 | 5, 840 B | 5, 20,000 B | ×23.8 |" in beside.markdown(both)
 
 
 def test_a_round_that_did_not_form_is_a_lower_bound_judged_at_its_cap() -> None:
     cases = [_ours(1024, 1.5), _theirs(1024, None, 2_500_000)]
     assert _word(cases) is True
-    text = "\n".join(c10d.markdown(cases))
+    text = "\n".join(beside.markdown(cases))
     assert "did not form within 60 s" in text and "≥ ×40" in text and "≥ 70, 2,500,000 B" in text
-    assert any("unfinished at the 60 s cap" in r and "≥ 70 / 210" in r for r in c10d.unfinished_rows(cases))
+    assert any("unfinished at the 60 s cap" in r and "≥ 70 / 210" in r for r in beside.unfinished_rows(cases))
     assert _word([_ours(1024, 75.0), _theirs(1024, None, 2_500_000)]) is False  # elastictk past the cap
 
 
 def test_a_failed_or_unpaired_c10d_size_is_shown_and_never_a_pass() -> None:
     failed = {"backend": "c10d", "nodes": 64, "form_cap_s": 60.0, "error": "torch c10d with 64 nodes: boom"}
-    v = c10d.beside_verdict([_ours(64, 0.1), failed])
+    v = beside.beside_verdict([_ours(64, 0.1), failed])
     assert v.passed is None and "c10d failed" in v.measured
-    assert c10d.beside_verdict([_theirs(256, 16.6, 1_600_000)]).passed is None  # no elastictk round at 256
-    assert c10d.beside_verdict([_ours(64, 0.1)]).passed is None  # c10d not run
+    assert beside.beside_verdict([_theirs(256, 16.6, 1_600_000)]).passed is None  # no elastictk round at 256
+    assert beside.beside_verdict([_ours(64, 0.1)]).passed is None  # c10d not run
     # the whole report: the failed c10d size has its row, the not-formed one its note
     result = {"machine": {"cpu_model": "x", "cores": 2, "python": "3", "torch": "2", "platform": "p"},
               "cases": [_ours(64, 0.1), failed, _theirs(1024, None, 2_500_000)], "notes": [], "when": "now",

@@ -180,3 +180,20 @@ def test_a_connection_the_receiver_closed_while_idle_is_made_anew_and_the_part_s
             t.close()
         for h in holders:
             h.close()
+
+
+def test_a_round_resumed_at_a_late_step_lags_by_what_it_sealed_since_not_by_its_step_number(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """After a restore at step 100 the new round's neighbours hold nothing yet: the first seal
+    lags 1 step (before: 101, and a line that a lost node would resume 101 steps back)."""
+    caplog.set_level(logging.INFO, logger="elastictk.snapshot")
+    lag = ReplicaLag(bound=8)
+    lag.sealed(0, 3, 100)
+    assert lag.lags() == {3: 1} and "lags" not in caplog.text
+    for step in range(101, 110):
+        lag.sealed(0, 3, step)
+    assert lag.lags() == {3: 10} and "rank 3's replica lags 9 steps" in caplog.text  # past 8: said once
+    lag.replicated(0, 108, 0.5)
+    assert lag.lags() == {3: 1}
+    lag.sealed(0, 4, 7)  # the slot now holds another rank's parts: its own count
+    assert lag.lags() == {4: 1}

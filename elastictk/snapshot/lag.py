@@ -35,10 +35,16 @@ class RankLag:
     replicated: int = -1  # the newest step every ring neighbour kept whole
     reported: int = 0
     send_s: float = 0.0  # how long the last whole send took
+    first: int = -1  # the first step sealed this round: none of its steps before it are owed
 
     @property
     def lag(self) -> int:
-        return max(self.newest - self.replicated, 0) if self.newest >= 0 else 0
+        """Steps sealed this round that no neighbour holds yet: counted from the round's first
+        sealed step until a send arrives (a job resumed at step 100 lags 1 step, not 101)."""
+        if self.newest < 0:
+            return 0
+        held = self.replicated if self.replicated >= 0 else self.first - 1
+        return max(self.newest - held, 0)
 
 
 class ReplicaLag:
@@ -52,7 +58,11 @@ class ReplicaLag:
     def sealed(self, lr: int, rank: int, step: int) -> None:
         with self._lock:
             r = self._ranks.setdefault(lr, RankLag(rank))
-            r.rank, r.newest = rank, max(r.newest, step) if r.rank == rank else step
+            if r.rank != rank:  # another rank in this slot: its own count
+                r = self._ranks[lr] = RankLag(rank)
+            r.newest = max(r.newest, step)
+            if r.first < 0 or step < r.first:
+                r.first = step
         self._say(lr)
 
     def replicated(self, lr: int, step: int, seconds: float) -> None:

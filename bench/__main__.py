@@ -1,5 +1,8 @@
 """``python -m bench [name ...] [--quick] [--json PATH]``: run benchmarks, print and save tables.
 
+``python -m bench snapshot --sizes 10,100`` runs a subset of the snapshot sizes (MB); a subset
+does not replace the kept report (``--json PATH`` keeps its results).
+
 Without ``--quick`` each benchmark's report goes to ``bench/results/<name>.md`` and ``.json``
 (committed, so the README can quote the last full run). ``--quick`` is a smoke run that writes
 nothing there; ``--json PATH`` writes all results of this run to PATH in either mode.
@@ -31,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds-long smoke run: tiny sizes, few samples, "
                    "no files in bench/results")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write this run's results here")
+    p.add_argument("--no-results", action="store_true", help=argparse.SUPPRESS)  # snapshot --sizes: a subset
     return p
 
 
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["snapshot"] and any(a.startswith("--device") for a in argv[1:]):  # the CUDA path
         from . import _snapshot_cuda
         return _snapshot_cuda.main([x for a in argv[1:] for x in a.split("=", 1)])
+    if argv[:1] == ["snapshot"] and any(a.startswith("--sizes") for a in argv[1:]):
+        argv, keep = _snapshot_sizes(argv)
+        if not keep:  # a subset: the kept report stays the whole run's
+            argv = argv + (["--no-results"] if "--quick" not in argv else [])
     if argv[:1] == ["rendezvous"] and "--scale" in argv[1:]:  # 8 to 1,024 simulated nodes
         from . import _rdzv_scale
         return _rdzv_scale.main([a for a in argv[1:] if a != "--scale"])
@@ -60,6 +68,26 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m bench: interrupted (everything it started has been stopped)",
               file=sys.stderr)
         return 130
+
+
+def _snapshot_sizes(argv: list[str]) -> tuple[list[str], bool]:
+    """``snapshot --sizes 10,100``: the sizes (MB) to run, out of 10, 100 and 1000; the rest of
+    the command line, and whether it is every size (then the kept report is written)."""
+    from . import snapshot
+
+    flat = [x for a in argv for x in (a.split("=", 1) if a.startswith("--sizes=") else [a])]
+    i = flat.index("--sizes")
+    value = flat[i + 1] if i + 1 < len(flat) else ""
+    try:
+        sizes = sorted({int(v) for v in value.split(",")})
+    except ValueError:
+        sizes = []
+    if not sizes or any(v not in (10, 100, 1000) for v in sizes):
+        print(f"python -m bench snapshot: --sizes {value!r}: give a comma list of 10, 100 and 1000 "
+              "(MB), e.g. --sizes 10,100", file=sys.stderr)
+        raise SystemExit(2)
+    snapshot.SIZES[:] = sizes
+    return flat[:i] + flat[i + 2:], sizes == [10, 100, 1000]
 
 
 def _main(argv: list[str] | None) -> int:
@@ -96,7 +124,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"note: {note}")
         data = result_json(result, machine, when)
         all_json[name] = data
-        if not args.quick:
+        if not args.quick and not args.no_results:
             write_atomic(RESULTS_DIR / f"{name}.md", markdown_report(result, machine, when))
             write_atomic(RESULTS_DIR / f"{name}.json", json.dumps(data, indent=2) + "\n")
             cfg.log(f"wrote {RESULTS_DIR / name}.md and .json")

@@ -7,6 +7,7 @@ stdin, one JSON line answered per command on stdout:
 - ``start``: make A and B; answers the environment a worker on A gets (memfd, notify pipe).
 - ``fetch``: node A is lost; node C takes its rank and, as its agent does before its workers
   start, fetches the part from B; answers C's worker environment and how long the fetch took.
+- ``arrivals``: how many of A's parts B kept whole and refused torn so far.
 - ``quit``: close everything.
 """
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main() -> None:
                 _answer({"local": os.stat(holders[0].path).st_blocks * 512 if holders else 0,
                          "replicas": _used(tiers[1]) if len(tiers) > 1 else 0, **_rss(os.getpid()),
                          "lag": max(tiers[0].lag.lags().values(), default=0) if tiers else 0})
+            elif cmd == "arrivals":  # parts B received from A: kept whole, refused torn
+                srv = tiers[1].server if len(tiers) > 1 else None
+                _answer({"whole": srv.whole if srv else 0, "torn": srv.torn if srv else 0})
             elif cmd == "replicated":  # the step B holds newest from A
                 steps = [k.step for k in tiers[1].replicas.index()]
                 _answer({"step": max(steps) if steps else None})

@@ -72,7 +72,8 @@ def measure(size: int, agents: Agents, env: dict[str, str]) -> dict[str, Any]:
         proc.stdin.flush()
         proc.wait(timeout=60)
         return {**peak, "worker_anon_before": base, "state": size, "steps": STEPS,
-                "replicated": agents.ask("replicated")["step"], "committed": int(line[1])}
+                "replicated": agents.ask("replicated")["step"], "committed": int(line[1]),
+                "arrivals": agents.ask("arrivals")}
     finally:
         stop.set()
         if proc.poll() is None:
@@ -94,3 +95,22 @@ def line(m: dict[str, Any]) -> str:
             f"shared; the agents' anonymous {m['agents_anon'] / 1e6:,.0f} MB; the whole node {x('node')}; "
             f"the replica lagged at most {m.get('lag_steps', 0)} steps behind the newest commit and "
             f"reached step {m['replicated']} of {m['committed']}")
+
+
+def table(memory: dict[int, dict[str, Any]]) -> str:
+    """The peaks of every size as a markdown table (multiples of the state in brackets)."""
+    head = ("Peak memory per node over a run committing every step (local+peer, pipelined; "
+            "before each size's timed rows), and the replica's lag:\n\n"
+            "| state | snapshot memory (local + replica) | local tier | replicas | worker RSS "
+            "anonymous + shared | agents' RSS anonymous | whole node (RSS + shared, agent and worker) "
+            "| replica lag, most steps | replicas whole / torn |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for s, m in memory.items():
+        def x(k: str) -> str:
+            return f"{m[k] / 1e6:,.0f} MB ({m[k] / s:.2f}x)"
+        a = m.get("arrivals", {})
+        rows.append(f"| {s // 10**6} MB | {x('snapshot')} | {x('local')} | {x('replicas')} | "
+                    f"{m['worker_anon'] / 1e6:,.0f} + {m['worker_shmem'] / 1e6:,.0f} MB | "
+                    f"{m['agents_anon'] / 1e6:,.0f} MB | {x('node')} | {m.get('lag_steps', 0)} | "
+                    f"{a.get('whole', '?')} / {a.get('torn', '?')} |")
+    return "\n".join([head, *rows]) if rows else "(no memory figures: no size was run)"

@@ -45,6 +45,8 @@ ALL3 = "local+peer+disk/10, pipelined"  # and every 10th step to the disk tier (
 DCP_SAVE = "DCP async_save"  # torch.distributed.checkpoint, every step
 DCP_LOAD = "DCP load"
 DCP_MAX = 100 * 10**6  # DCP every step at 1 GB: seconds per step, minutes per sample
+BIG = 1000 * 10**6  # from here up, fewer samples (_samples)
+SIZES: list[int] = []  # MB; ``--sizes`` (bench/__main__.py) sets a subset; empty: all
 STEP_S = 0.1
 MB = 10**6
 
@@ -128,13 +130,13 @@ def run(cfg: RunConfig) -> BenchResult:
     from . import _snap_memory
     from ._peer_agents import Agents
 
-    sizes = [10 * MB, 100 * MB] + ([] if cfg.quick else [1000 * MB])
-    steps = 5 if cfg.quick else 20
-    rounds = 3 if cfg.quick else 5
+    sizes = [s * MB for s in SIZES] if SIZES else [10 * MB, 100 * MB] + ([] if cfg.quick else [1000 * MB])
     base = Path(tempfile.mkdtemp(prefix="etk-bench-snapshot-"))
     rows: list[Comparison] = []
     overhead: dict[int, dict[str, float]] = {}
     memory: dict[int, dict[str, Any]] = {}
+    arrivals: dict[int, dict[str, dict[str, int]]] = {}  # per size, per run: replicas whole and torn
+    samples: dict[int, tuple[int, int]] = {}  # per size: steps per sample, rounds
     running: list[Any] = []  # the agents' processes, closed however the run ends
     saved = {k: os.environ.get(k) for k in (ENV_TIERS, ENV_DIR, ENV_EVERY, "ELASTICTK_SNAPSHOT_REGIONS",
                                              "ELASTICTK_SNAPSHOT_REGION_SIZE", "ELASTICTK_SNAPSHOT_MEMORY",
@@ -150,6 +152,9 @@ def run(cfg: RunConfig) -> BenchResult:
             finally:
                 mem_agents.close()
             cfg.log(_snap_memory.line(memory[size]))
+            arrivals[size] = {"memory": memory[size]["arrivals"]}
+            steps, rounds = _samples(size, cfg.quick)
+            samples[size] = (steps, rounds)
             holder = Holder(1, 2 * size + 64 * MB)
             os.environ.update(holder.env())
             os.environ.pop(ENV_DIR, None)
@@ -208,6 +213,10 @@ def run(cfg: RunConfig) -> BenchResult:
             if size <= DCP_MAX:
                 subjects.append(DCP_SAVE)
             got = interleaved(subjects, sample, rounds)
+            arrivals[size][PEER] = agents.ask("arrivals")
+            arrivals[size][ALL3] = agents_b.ask("arrivals")
+            cfg.log(f"{size // MB} MB: replicas that arrived whole / torn: "
+                    + ", ".join(f"{k} {v['whole']}/{v['torn']}" for k, v in arrivals[size].items()))
             m = {k: Measured(k, v) for k, v in got.items()}
             case = {"state": f"{size // MB} MB", "measure": "step (100 ms of work + SGD) + commit"}
             for ours in ("local", PIPED, PEER, ALL3):
@@ -327,11 +336,46 @@ def run(cfg: RunConfig) -> BenchResult:
              "Both restores must touch every byte of the state and place the optimizer's half in "
              "fresh pages (a restarted process has no other); on this machine a fresh 4 kB page "
              "costs about as much as copying it several times, which bounds the ratio.",
-             *_target(overhead), *[_snap_memory.line(m) for m in memory.values()]]
+             *_target(overhead), _samples_note(samples), verdict(arrivals)[1],
+             *[_snap_memory.line(m) for m in memory.values()]]
+    cfg.log(verdict(arrivals)[1])
+    description = ((__doc__ or "").split("\n", 1)[1].strip() + "\n\n" + _snap_memory.table(memory)
+                   + "\n\nMedians in ms of each size's interleaved samples follow.")
     return BenchResult(
-        name="snapshot", title=TITLE, description=(__doc__ or "").split("\n", 1)[1].strip(),
+        name="snapshot", title=TITLE, description=description,
         unit="ms", higher_is_better=False, rows=rows, notes=notes,
-        params={"sizes_mb": [s // MB for s in sizes], "steps": steps, "rounds": rounds,
-                "step_s": STEP_S, "quick": cfg.quick,
+        params={"sizes_mb": [s // MB for s in sizes],
+                "samples": {str(k // MB): {"steps": v[0], "rounds": v[1]} for k, v in samples.items()},
+                "step_s": STEP_S, "quick": cfg.quick, "replicas_ok": verdict(arrivals)[0],
+                "arrivals": {str(k // MB): v for k, v in arrivals.items()},
                 "memory_per_node": {str(k // MB): v for k, v in memory.items()}},
     )
+
+
+def _samples(size: int, quick: bool) -> tuple[int, int]:
+    """Steps per sample and rounds: fewer from :data:`BIG` up, where one round of every
+    subject takes a minute (torch.save alone ~2 s a step), so the whole run fits ~12 minutes."""
+    if quick:
+        return 5, 3
+    return (5, 3) if size >= BIG else (20, 5)
+
+
+def _samples_note(samples: dict[int, tuple[int, int]]) -> str:
+    return "Samples: " + "; ".join(f"{s // MB} MB: {st} steps per sample, {r} rounds"
+                                   for s, (st, r) in samples.items()) + \
+        " (fewer at 1 GB, where a round of every subject takes about a minute)."
+
+
+def verdict(arrivals: dict[int, dict[str, dict[str, int]]]) -> tuple[bool, str]:
+    """Whether every run that replicated while committing every step delivered whole
+    replicas and none torn (pure): a run with no whole arrival, or any torn one, fails."""
+    runs = [(size, name, a) for size, per in arrivals.items() for name, a in per.items()]
+    bad = [f"{size // MB} MB {name}: {a['whole']} whole, {a['torn']} torn" for size, name, a in runs
+           if a["torn"] or not a["whole"]]
+    told = "; ".join(f"{size // MB} MB {name} {a['whole']} whole / {a['torn']} torn" for size, name, a in runs)
+    if not runs:
+        return False, "[FAIL] replicas under per-step commits: no run replicated anything"
+    if bad:
+        return False, f"[FAIL] replicas under per-step commits: {'; '.join(bad)} (all runs: {told})"
+    return True, ("[ok] replicas under per-step commits: every run's replicas arrived whole, none "
+                  f"torn ({told}; 'memory' is the 30-step memory run, the others the commit rows)")

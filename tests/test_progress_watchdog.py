@@ -190,7 +190,7 @@ def test_defaults_and_off() -> None:
 
 
 def test_the_event_fields_are_json() -> None:
-    from elastictk.agent.progress import Hang, RankState
+    from elastictk.agent.hang import Hang, RankState
 
     r = RankState(1, 3, 42, 7, 2.5, "T", "train.py:9 (main)", "", "py-spy")
     h = Hang("progress", 2.0, (r,), (), "stopped by a signal (state T)", "host", None)
@@ -199,7 +199,7 @@ def test_the_event_fields_are_json() -> None:
 
 
 def test_py_spy_reads_a_stopped_process_and_a_missing_py_spy_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastictk.agent import progress
+    from elastictk.agent import rankstacks as progress
 
     code = "import time\ndef parked():\n    print('ready', flush=True)\n    time.sleep(60)\nparked()"
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -28,6 +28,8 @@ mark a worker writes (steps, completed collectives, ``fault_point``, ``elastictk
 peer waits in one, is hung (declared as above, trigger ``learned``); every rank due together is
 a stall, reported with stacks and never killed unless ``progress_timeout`` (then the user's
 explicit ceiling) is outlasted. ``learned.py`` holds what the agent learned across attempts.
+What a hang is, whom it blames and its report are ``hang.py``; how a rank's stacks are taken,
+``rankstacks.py``: this module is the watch, when to look and when to declare.
 
 While any watched worker has exited, nothing is judged: the agent is stopping the group or
 replacing the worker, and the next :meth:`arm`/:meth:`replace` starts the clocks again.
@@ -36,12 +38,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,22 +47,17 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from ..lifetime.handle import ProcessHandle
-from ..lifetime.procfs import read_stat
 from ..metrics.layout import SlotSnapshot
 from ..metrics.steps import WorkerStepsBlock
-from ..timer.stacks import Frame, parse
+from .hang import STALL_REPORT, Hang, RankState, choose_culprits, write_report
 from .hangjudge import RankView, Verdict
 from .learned import Learned, Stall
+from .rankstacks import PYSPY_TIMEOUT, StackDumper, dump, proc_state
 
 log = logging.getLogger("elastictk.agent")
 
-PYSPY_TIMEOUT = 10.0  # seconds one py-spy dump may take
 FIRST_STEP_LOOK = 5.0  # longest sleep while waiting for every rank's first step
 MAX_SLEEP = 3600.0  # a finished rank's deadline is infinite
-REPORT_NAME = "progress_hang.txt"
-STALL_REPORT = "progress_stall.txt"
-StackDumper = Callable[[list[int]], Mapping[int, tuple[int, str, str]]]
-_PYSPY_FRAME = re.compile(r"^\s+(.*) \((.*):(\d+)\)\s*$")
 
 
 def check_timeout(value: Optional[float], flag: str) -> Optional[float]:
@@ -74,78 +67,6 @@ def check_timeout(value: Optional[float], flag: str) -> Optional[float]:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1e9:
         raise ValueError(f"{flag} {value!r} must be a number of seconds > 0 (0 turns it off)")
     return float(value)
-
-
-@dataclass(frozen=True)
-class RankState:
-    """One local rank when the hang was declared."""
-
-    local_rank: int
-    rank: int
-    pid: int
-    steps: int  # steps since the group's clocks started (arm or last replacement)
-    idle_s: float  # seconds since its last step (or its start, before its first)
-    state: str  # /proc state: R, S, D, T (stopped) ...
-    where: Optional[str]  # innermost user frame of its stack, "train.py:57 (main)"
-    stacks: str
-    stacks_from: str  # "faulthandler", "py-spy", or why there are none
-
-    @property
-    def stopped(self) -> bool:
-        return self.state in ("T", "t")
-
-
-@dataclass(frozen=True)
-class Hang:
-    """What the progress watchdog found; culprits are killed, blocked ranks are left to the
-    agent's recovery."""
-
-    kind: str  # "progress", "learned" (past the learned deadline), "startup", "stopped_peer"
-    # (found when a peer failed) or
-    # "group_timeout" (in place: the group's collective timed out on a stopped rank)
-    timeout_s: float
-    culprits: tuple[RankState, ...]
-    blocked: tuple[RankState, ...]
-    reason: str  # why these are the culprits
-    host: str
-    report_path: Optional[str]
-    declared_at: float = 0.0  # time.monotonic() when declared: where a recovery's detect begins
-
-    def headline(self) -> str:
-        c = self.culprits[0]
-        what = {"progress": f"made no progress for {c.idle_s:.1f}s",
-                "learned": f"made no progress for {c.idle_s:.1f}s (learned deadline {self.timeout_s:.1f}s)",
-                "startup": f"completed no first step for {c.idle_s:.1f}s",
-                "stopped_peer": "was stopped (state T) while a peer failed waiting on it",
-                "group_timeout": "was stopped (state T) while its peers' collective timed out on it"}[self.kind]
-        where = f" at {c.where}" if c.where else ""
-        return f"rank {c.rank} {what}{where} (progress watchdog)"
-
-    def describe(self) -> str:
-        """The agent's one log line."""
-        gap = "without progress" if self.kind == "learned" else "without a step"
-        names = ", ".join(f"rank {c.rank} (pid {c.pid}, {c.idle_s:.1f}s {gap}"
-                          f"{', stopped' if c.stopped else ''}{', at ' + c.where if c.where else ''})"
-                          for c in self.culprits)
-        blocked = ", ".join(str(b.rank) for b in self.blocked) or "none on this node"
-        flag = {"progress": f"--progress-timeout {self.timeout_s:g}",
-                "learned": f"learned deadline {self.timeout_s:.1f}s, --hang-detection learned",
-                "startup": f"--startup-timeout {self.timeout_s:g}",
-                "stopped_peer": "found when a peer failed",
-                "group_timeout": "found when the group's collective timed out"}[self.kind]
-        stacks = f"stacks in {self.report_path}" if self.report_path else \
-            f"stacks: {self.culprits[0].stacks_from}"
-        return (f"hang on {self.host}: {names} [{self.reason}; {flag}]; "
-                f"blocked waiting on it: ranks {blocked}; killing the culprit; {stacks}")
-
-    def fields(self) -> dict[str, object]:
-        """The ``hang_detected`` event's fields."""
-        c = self.culprits[0]
-        return {"trigger": self.kind, "rank": c.rank, "local_rank": c.local_rank, "pid": c.pid,
-                "host": self.host, "idle_s": round(c.idle_s, 2), "where": c.where,
-                "culprits": [x.rank for x in self.culprits], "blocked": [x.rank for x in self.blocked],
-                "reason": self.reason, "timeout_s": self.timeout_s, "report": self.report_path,
-                "stacks_from": c.stacks_from}
 
 
 @dataclass
@@ -240,7 +161,7 @@ class ProgressWatch:
                 return None
             ranks = dict(self._ranks)
             stopped = [lr for lr, r in ranks.items()
-                       if r.handle.pid not in failed and _state(r.handle.pid) in ("T", "t")]
+                       if r.handle.pid not in failed and proc_state(r.handle.pid) in ("T", "t")]
             if not stopped:
                 return None
             self._fired = True
@@ -417,14 +338,14 @@ class ProgressWatch:
                       report_dir: Optional[Path], idle: float) -> None:
         """All ranks stalled together: stacks dumped and written, one line, an event; no kill."""
         assert self.learned is not None
-        states = {lr: _state(r.handle.pid) for lr, r in ranks.items()}
-        dumps = self._dump(ranks, states)
+        states = {lr: proc_state(r.handle.pid) for lr, r in ranks.items()}
+        dumps = dump({lr: r.handle.pid for lr, r in ranks.items()}, states, self._stacks)
         now = time.monotonic()
         infos = {v.local_rank: RankState(v.local_rank, v.rank, ranks[v.local_rank].handle.pid, 0,
                                          now - v.last, states[v.local_rank], dumps[v.local_rank][2],
                                          dumps[v.local_rank][0], dumps[v.local_rank][1])
                  for v in views if v.local_rank in ranks}
-        path = _write_report(report_dir, "stalled", verdict.deadline, infos, [], STALL_REPORT)
+        path = write_report(report_dir, "stalled", verdict.deadline, infos, [], STALL_REPORT)
         lrs = [lr for lr in verdict.local_ranks if lr in infos]
         stall = Stall(tuple(lrs), tuple(infos[lr].rank for lr in lrs), idle, verdict.deadline,
                       verdict.reason, tuple(infos[lr].where for lr in lrs), path, False)
@@ -440,17 +361,17 @@ class ProgressWatch:
                  slots: list[SlotSnapshot], last: dict[int, float], stepped: dict[int, bool],
                  report_dir: Optional[Path], chosen: Optional[tuple[list[int], str]] = None) -> None:
         now = time.monotonic()
-        states = {lr: _state(r.handle.pid) for lr, r in ranks.items()}
+        states = {lr: proc_state(r.handle.pid) for lr, r in ranks.items()}
         steps = {lr: slots[lr].steps - r.baseline for lr, r in ranks.items()}
         idle = {lr: 0.0 if last[lr] == math.inf else now - (last[lr] if stepped[lr] else r.started)
                 for lr, r in ranks.items()}  # inf: the rank's script has ended (not judged)
         culprits, reason = chosen if chosen is not None else \
-            _culprits(kind, due, states, steps, idle, stepped)
-        dumps = self._dump(ranks, states)
+            choose_culprits(kind, due, states, steps, idle, stepped)
+        dumps = dump({lr: r.handle.pid for lr, r in ranks.items()}, states, self._stacks)
         infos = {lr: RankState(lr, r.rank, r.handle.pid, steps[lr], idle[lr], states[lr],
                                dumps[lr][2], dumps[lr][0], dumps[lr][1])
                  for lr, r in ranks.items()}
-        path = _write_report(report_dir, kind, timeout, infos, culprits)
+        path = write_report(report_dir, kind, timeout, infos, culprits)
         hang = Hang(kind, timeout, tuple(infos[lr] for lr in culprits),
                     tuple(infos[lr] for lr in sorted(ranks) if lr not in culprits), reason,
                     socket.gethostname(), path, declared_at=now)
@@ -467,161 +388,10 @@ class ProgressWatch:
         for lr in culprits:
             ranks[lr].handle.send(signal.SIGKILL)
 
-    def _dump(self, ranks: dict[int, _Rank], states: dict[int, str]) -> dict[int, tuple[str, str, Optional[str]]]:
-        """Local rank -> (stacks, where they came from, innermost user frame)."""
-        running = [lr for lr in sorted(ranks) if states[lr] not in ("T", "t", "Z", "?")]
-        got: Mapping[int, tuple[int, str, str]] = {}
-        if self._stacks is not None and running:
-            try:
-                got = self._stacks(running)
-            except Exception:  # noqa: BLE001 - fall back to py-spy
-                log.exception("stack dump through the timer region failed")
-        out: dict[int, tuple[str, str, Optional[str]]] = {}
-        for lr, r in ranks.items():
-            text = got.get(lr, (0, "", ""))[1]
-            if text.strip():
-                out[lr] = (text, "faulthandler", _where_faulthandler(text))
-                continue
-            text, note = pyspy_dump(r.handle.pid, stopped=states[lr] in ("T", "t"))
-            out[lr] = (text, "py-spy" if text else note, _where_pyspy(text) if text else None)
-        return out
-
-
-def _state(pid: int) -> str:
-    st = read_stat(pid)
-    return "?" if st is None else st.state
-
-
-def _culprits(kind: str, due: list[int], states: Mapping[int, str], steps: Mapping[int, int],
-              idle: Mapping[int, float], stepped: Mapping[int, bool]) -> tuple[list[int], str]:
-    """Which ranks stopped progressing first, and why we think so."""
-    stopped = sorted(lr for lr, s in states.items() if s in ("T", "t"))
-    if stopped:
-        return stopped, "stopped by a signal (state T)"
-    if kind == "startup":
-        return sorted(lr for lr in due if not stepped[lr]), "never completed a first step"
-    low = min(steps.values())
-    if len(set(steps.values())) > 1:
-        return sorted(lr for lr, n in steps.items() if n == low), f"fewest steps ({low})"
-    oldest, newest = max(idle.values()), min(idle.values())
-    if oldest - newest > 1.0:
-        return sorted(lr for lr, s in idle.items() if oldest - s <= 1.0), "oldest last step"
-    return sorted(due), "no rank stands out: all stalled together"
-
-
-def _where_faulthandler(text: str) -> Optional[str]:
-    threads = [t for t in parse(text) if t.frames]
-    if not threads:
-        return None
-    chosen = next((t for t in threads if t.current), threads[0])
-    frame = next((f for f in chosen.frames if not f.is_library), chosen.frames[0])
-    return frame.short()
-
-
-def _where_pyspy(text: str) -> Optional[str]:
-    """Innermost user frame of the first thread in a ``py-spy dump`` (the main thread)."""
-    frames: list[Frame] = []
-    for line in text.splitlines():
-        if line.startswith("Thread ") and frames:
-            break
-        m = _PYSPY_FRAME.match(line)
-        if m:
-            frames.append(Frame(m.group(2), int(m.group(3)), m.group(1)))
-    if not frames:
-        return None
-    return next((f for f in frames if not f.is_library), frames[0]).short()
-
-
-def pyspy_path() -> Optional[str]:
-    """py-spy next to this interpreter (a venv's bin), else on PATH."""
-    here = Path(sys.executable).parent / "py-spy"
-    return str(here) if here.exists() else shutil.which("py-spy")
-
-
-def pyspy_dump(pid: int, *, stopped: bool) -> tuple[str, str]:
-    """``py-spy dump`` of ``pid``: (text, "") or ("", one line saying why there is none).
-
-    A stopped process cannot be suspended by ptrace the usual way, so it is read without
-    pausing (``--nonblocking``); a running one is paused for a consistent dump, and read
-    without pausing if that fails.
-    """
-    exe = pyspy_path()
-    if exe is None:
-        return "", "stacks not available: py-spy is not installed (pip install py-spy)"
-    tries = [["--nonblocking"]] if stopped else [[], ["--nonblocking"]]
-    why = ""
-    for extra in tries:
-        try:
-            p = subprocess.run([exe, "dump", "--full-filenames", *extra, "--pid", str(pid)],
-                               capture_output=True, text=True, timeout=PYSPY_TIMEOUT)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            why = str(e)
-            continue
-        if p.returncode == 0 and p.stdout.strip():
-            return p.stdout, ""
-        lines = [ln for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
-        why = lines[0] if lines else f"exit {p.returncode}"
-    if "ermission" in why or "ptrace" in why.lower():
-        why += " (ptrace is not permitted: see /proc/sys/kernel/yama/ptrace_scope or CAP_SYS_PTRACE)"
-    return "", f"stacks not available: py-spy: {why}"
-
-
-def declare_frozen(pids: Mapping[int, int], ranks: Mapping[int, int], frozen: list[int],
-                   report_dir: object) -> Hang:
-    """In place, the group's collective timed out and ``frozen`` (local ranks, state T) are why:
-    the hang restart-all's watchdogs would declare, with the stopped ranks' stacks dumped
-    (py-spy reads a stopped process without resuming it) and written to the hang report
-    before the caller kills them. The other ranks are listed as blocked, not dumped: they
-    have left the failed collective and wait for the next generation, so their stacks would
-    show the recovery, not the hang."""
-    now = time.monotonic()
-    infos: dict[int, RankState] = {}
-    for lr, pid in sorted(pids.items()):
-        state = _state(pid)
-        if lr in frozen:
-            text, note = pyspy_dump(pid, stopped=True)
-            dump = (text, "py-spy" if text else note, _where_pyspy(text) if text else None)
-        else:
-            dump = ("", "not dumped: waiting for the next generation", None)
-        infos[lr] = RankState(lr, ranks.get(lr, lr), pid, 0, 0.0, state, dump[2], dump[0], dump[1])
-    path = _write_report(Path(str(report_dir)) if report_dir is not None else None, "group_timeout",
-                         0.0, infos, frozen)
-    return Hang("group_timeout", 0.0, tuple(infos[lr] for lr in frozen if lr in infos),
-                tuple(infos[lr] for lr in sorted(infos) if lr not in frozen),
-                "stopped by a signal (state T)", socket.gethostname(), path, declared_at=now)
-
-
-def _write_report(report_dir: Optional[Path], kind: str, timeout: float,
-                  infos: Mapping[int, RankState], culprits: list[int],
-                  name: str = REPORT_NAME) -> Optional[str]:
-    if report_dir is None:
-        return None
-    head = {"stopped_peer": "a stopped rank found when a peer failed",
-            "group_timeout": "a stopped rank found when the group's collective timed out",
-            "learned": f"no progress past the learned deadline {timeout:.1f}s",
-            "stalled": f"all ranks stalled together past the learned deadline {timeout:.1f}s (not killed)",
-            }.get(kind, f"{kind} timeout {timeout:g}s")
-    lines = [f"progress watchdog: {head} on {socket.gethostname()}", ""]
-    for lr in sorted(infos):
-        i = infos[lr]
-        role = "CULPRIT" if lr in culprits else "blocked"
-        lines += [f"== rank {i.rank} (local {lr}, pid {i.pid}, state {i.state}): {role}, "
-                  f"{i.steps} steps, {i.idle_s:.1f}s without a step; stacks from {i.stacks_from}",
-                  i.stacks.rstrip() or "(no stacks)", ""]
-    try:
-        report_dir.mkdir(parents=True, exist_ok=True)
-        path = report_dir / name
-        path.write_text("\n".join(lines))
-        return str(path)
-    except OSError as e:
-        log.warning("cannot write the hang report to %s: %s", report_dir, e)
-        return None
-
-
 def worker_env(enabled: bool) -> dict[str, str]:
     """What workers need for the progress watchdog beyond the steps block's own variables:
     the timer region attached at start, so a running worker can dump its stacks on request."""
     return {"ELASTICTK_PROGRESS_STACKS": "1"} if enabled else {}
 
 
-__all__ = ["Hang", "ProgressWatch", "RankState", "check_timeout", "declare_frozen", "pyspy_dump", "worker_env"]
+__all__ = ["ProgressWatch", "check_timeout", "worker_env"]

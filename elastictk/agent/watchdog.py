@@ -24,7 +24,8 @@ from ..metrics.worker import ENV_HOOKS
 from ..timer import Expiry, TimerServer
 from ..supervisor.env import Assignment
 from .learned import Stall
-from .progress import Hang, ProgressWatch, worker_env as progress_env
+from .hang import Hang
+from .progress import ProgressWatch, worker_env as progress_env
 
 
 class Watchdog:

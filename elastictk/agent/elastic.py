@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..rendezvous import (
@@ -21,7 +20,6 @@ from ..rendezvous import (
     RendezvousInterrupted, RoundAbandoned, RoundInfo,
 )
 from ..store import Store, StoreError
-from ..inplace.protocol import round_prefix
 from ..supervisor.env import Assignment
 from ..supervisor.forkserver import PreloadServer
 from ..supervisor.group import StartInterrupted, WorkerGroup
@@ -29,27 +27,28 @@ from ..supervisor.report import FailureReport
 from ..supervisor.spec import WorkerResult
 from ..metrics.kinds import Emit, EventKind
 from ..metrics.steps import WorkerStepsBlock
-from ..metrics.worker import ENV_COLLECTIVES, ENV_PATH
 from ..snapshot.local import Holder
 from ..snapshot.peertier import PeerTier
-from ..snapshot.settings import ENV_DIR
 from .address import local_address
+from .assign import round_assignment
 from .health import HealthWatch, hold_until_healthy
-from .coordination import Budget, Decision, RoundCoordinator, agree_master, node_ranges
+from .coordination import Budget, RoundCoordinator
+from .ending import closed_elsewhere, exit_barrier, job_finished, signalled
 from .excluded import ExclusionGate
-from .inplace import InPlaceRound, open_round
+from .inplace import InPlaceRound, begin_round
 from .inplace_host import InPlaceHost, started_key
+from .monitor import monitor
 from .config import AgentConfig
-from .outcome import AgentResult, DecisionAction, Outcome, Recovery, ResultState
-from .failure import Scene, after_failure
-from .failure_cause import failed_at, failure_report
-from .preempt import preempt
+from .outcome import AgentResult, Outcome, Recovery, ResultState
+from .failure import Scene, on_failure
+from .failure_cause import failure_report
 from .recovery import RecoveryWatch
-from .shared_flags import mismatch, rank0_meta, shared_flags
+from .shared_flags import mismatch, rank0_meta
 from .signals import Signals
-from .stepcount import steps_block, stepped, steps_env
+from .stepcount import steps_block, stepped
 from .stragglers import StragglerWatch, watch_round
 from .watchdog import Watchdog
+from .workerspec import join_meta, workers_spec
 
 log = logging.getLogger("elastictk.agent")
 
@@ -113,10 +112,8 @@ class ElasticAgent:
                                snapshots.memory) if snapshots is not None and cfg.snapshot_replicas else None)
         if self._peer is not None and cfg.metrics_registry is not None:  # the replicas' lag, per rank
             cfg.metrics_registry.register(self._peer.collector())
-        meta = {"addr": addr, "host": socket.gethostname(), "nproc": cfg.spec.local_world_size, "role": cfg.spec.role,
-                **(self._peer.meta() if self._peer is not None else {}),
-                **shared_flags(cfg.rdzv.min_nodes, cfg.rdzv.max_nodes, cfg.max_restarts)}
-        self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id, meta=meta)
+        self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id,
+                                         meta=join_meta(cfg, addr, self._peer))
         self.node_id = self.handler.node_id
         self.handler.on_spare = lambda n, world: self._emit(EventKind.SPARE_WAITING, round=n, world=world)
         self._steps, own_steps = steps_block(
@@ -127,17 +124,7 @@ class ElasticAgent:
                                  on_expiry=self._wake, progress_timeout=cfg.progress_timeout,
                                  startup_timeout=cfg.startup_timeout, steps=self._steps,
                                  hang_detection=cfg.hang_detection)
-        block = self._steps or self.watchdog.steps_block()
-        if block is not None and cfg.spec.env.get(ENV_PATH, block.path) != block.path:
-            log.warning("the workers' environment names a steps block (%s=%s) this agent was not "
-                        "given: they count into the agent's own instead; pass the block as "
-                        "AgentConfig.steps (build_agent(config, telemetry) does)", ENV_PATH,
-                        cfg.spec.env[ENV_PATH])
-        base_env = {**cfg.spec.env, **steps_env(own_steps, cfg.spec.env),
-                    **({ENV_COLLECTIVES: "1"} if cfg.stragglers is not None and cfg.stragglers.on else {})}
-        spec = replace(cfg.spec, env={**self.watchdog.worker_env(base_env),
-                                      **(snapshots.env() if snapshots is not None else {}),
-                                      **(self._peer.env() if self._peer is not None else {})})
+        spec = workers_spec(cfg, self.watchdog, self._steps, own_steps, snapshots, self._peer)
         self.group = WorkerGroup(spec, cfg.log_dir, preload_server=self._preload_server)
         self._signals.install()
         try:
@@ -256,16 +243,7 @@ class ElasticAgent:
         except RendezvousInterrupted:  # SIGTERM/SIGINT/SIGHUP while waiting for the others
             return self._signalled()
         except RendezvousClosed as e:
-            if self.group.running:
-                self.group.stop()  # kept for an in-place change that will not come
-            if self._ran:
-                return AgentResult(ResultState.FAILED, 1, str(e), attempts=self.attempts)
-            self._emit(EventKind.JOB_FINISHED_ELSEWHERE, message=str(e), succeeded=e.succeeded)
-            ran_nothing = (f"{e}; this node ran nothing (to run job {self.config.rdzv.job_id!r} "
-                           "again, launch it with a fresh --rdzv-id)")
-            if not e.succeeded:  # a late node, or a relaunch of a failed job, must not say success
-                return AgentResult(ResultState.FAILED, 1, ran_nothing, attempts=self.attempts)
-            return AgentResult(ResultState.FINISHED_ELSEWHERE, 0, ran_nothing, attempts=self.attempts)
+            return closed_elsewhere(e, self.group, self._ran, self.config.rdzv.job_id, self._emit, self.attempts)
 
     def _run_round(self, info: RoundInfo, addr: str) -> _Round:
         """Join ``info``: start (or keep) the workers and watch them until something happens."""
@@ -275,7 +253,8 @@ class ElasticAgent:
         if self._budget is None:  # after the first round: the run's nonce is known
             self._budget = Budget(handler.records)
         restarts = self._budget.restart_count()
-        self._assignment_now = self._assignment(info, restarts, addr)
+        self._assignment_now = round_assignment(self.config, handler, info, restarts, addr,
+                                                lambda: self._signals.stop_reason() is not None)
         self._emit(EventKind.ROUND_JOINED, round=info.round, rank=info.rank, world=info.world_size)
         self._recovery.joined()
         coord = RoundCoordinator(handler.store, info.store, handler.node_id, on_failure=group.wake,
@@ -367,136 +346,35 @@ class ElasticAgent:
 
     def _on_succeeded(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None and self.group is not None
-        finished, lost = self._exit_barrier(rnd.coord, rnd.info)
+        finished, lost = exit_barrier(self.handler, rnd.coord, rnd.info, self.config.exit_barrier_timeout,
+                                      self._signals.stop_reason, self._emit, self._lingering.append)
         if self._signals.stop:  # told to stop while waiting for the others
             return self._signalled()
         if not finished:
             rnd.outcome = Outcome.PEER_FAILURE  # a peer failed while we waited: restart with it
             return self._on_failure(rnd)
-        try:
-            self.handler.shutdown("finished")
-        except StoreError:
-            pass  # a peer already closed the job and the store went with its host
-        cfg = self.config
-        rnd.coord.depart(rnd.info.world_size, cfg.hosts_store, cfg.rdzv.heartbeat_timeout + 5, lost=len(lost),
-                         members=[m.node_id for m in rnd.info.members])
-        results = self.group.results
-        restarts = rnd.coord.budget.restart_count()  # in-place recoveries count too
-        self._emit(EventKind.JOB_FINISHED, restarts=restarts)
-        return AgentResult(ResultState.SUCCEEDED, 0, "all workers finished",
-                           return_values={lr: r.return_value for lr, r in results.items()},
-                           restarts=restarts, attempts=self.attempts)
+        return job_finished(self.handler, rnd.coord, rnd.info, self.config, self.group.results, self._emit,
+                            len(lost), self.attempts)
 
     def _on_failure(self, rnd: _Round) -> AgentResult | None:
         assert self.handler is not None
-        local = rnd.outcome == Outcome.LOCAL_FAILURE and rnd.noticed is not None
-        self._recovery.failed(failed_at(rnd.failed, self.watchdog) if local else None,
-                              rnd.noticed if local and rnd.noticed is not None else time.monotonic(),
-                              self._attempt_pids)
-        decision = self._after_failure(rnd.outcome, rnd.failed, rnd.coord, rnd.restarts)
-        if decision is None:
-            # No decision came (the node that failed first died before deciding, or never
-            # could): the failure is charged, not forgiven, as an OTP supervisor escalates.
-            note = rnd.coord.failure_note()
-            cause = f"round {rnd.info.round}: no decision came for " + (
-                "a failure" if note is None else f"node {note.node_id}'s failure ({note.headline})")
-            decision = rnd.coord.take_over(self.config.policy, cause, self.config.decision_timeout)
-            log.warning("%s: charged by %s", cause, "this node or the one that took over")
-        if decision.action == DecisionAction.RESTART:
-            self._recovery.restarting(decision.restart_count)
-            self._emit(EventKind.RESTART, restart_count=decision.restart_count, delay_s=decision.delay_s,
-                       reason=decision.reason)
-            self._signals.backoff(decision.delay_s)
-            return None
-        self.handler.shutdown(f"failed: {decision.reason}")
-        report = self._report(rnd.restarts) if rnd.outcome == Outcome.LOCAL_FAILURE else None
-        self._emit(EventKind.JOB_FAILED, reason=decision.reason)
-        note = rnd.coord.failure_note()
-        where = "" if note is None or note.node_id == self.handler.node_id else \
-            f" (first failure on node {note.node_id}: {note.headline})"
-        return AgentResult(ResultState.FAILED, 1, decision.reason + where, report=report,
-                           restarts=rnd.restarts, attempts=self.attempts)
-
-    def _exit_barrier(self, coord: RoundCoordinator, info: RoundInfo) -> tuple[bool, list[str]]:
-        """The exit barrier, watching heartbeats meanwhile: a peer lost after this node's
-        workers finished ends the wait after ``heartbeat_timeout``, not the barrier's timeout.
-        Returns (finished, the lost peers' node ids)."""
-        assert self.handler is not None
-        try:
-            watch = MembershipWatch(self.handler, info)
-        except StoreError:  # no second connection to the store: wait as before, unwatched
-            return coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
-                                      lost=self._signals.stop_reason,
-                                      members=[m.node_id for m in info.members]), []
-        self._lingering.append(watch)  # joined before the process exits, as the round's are
-        try:
-            finished = coord.exit_barrier(info.world_size, self.config.exit_barrier_timeout,
-                                          lost=lambda: (self._signals.stop_reason()
-                                                        or (watch.reason if watch.lost else None)),
-                                          members=[m.node_id for m in info.members])
-        finally:
-            watch.stop()
-        if watch.lost:
-            self._emit(EventKind.EXIT_BARRIER_LEFT, lost=",".join(watch.lost), reason=watch.reason)
-        return finished, list(watch.lost)
+        return on_failure(self._scene(), self.handler, rnd.info, rnd.outcome, rnd.failed, rnd.coord, rnd.restarts,
+                          rnd.noticed, self._attempt_pids, self._signals.backoff, self.attempts)
 
     def _monitor(self, coord: RoundCoordinator, watch: MembershipWatch) -> tuple[Outcome, list[WorkerResult]]:
-        """Block until something needs the loop's attention; all wake-ups are events."""
         assert self.group is not None
-        group = self.group
-        while True:
-            inplace = self._inplace
-            exited = group.wait_any(timeout=self._recovery.wait(5.0 if inplace is None else inplace.wait_timeout(5.0)))
-            self._recovery.poll()  # a recovery's first step (read from the steps block)
-            if self.watchdog is not None and any(r.failed for r in exited):
-                self.watchdog.blame_stopped([r.pid for r in exited if r.failed])
-            self._emit_expiries()
-            failed = [r for r in exited if r.failed]
-            if failed and inplace is not None and not coord.failed.is_set():
-                assert self.watchdog is not None
-                for r in failed:
-                    self.watchdog.forget(r.local_rank)
-                self._replaced_at = min(r.ended_at for r in failed)
-                if inplace.on_failures(failed):
-                    assert self._assignment_now is not None
-                    for r in failed:  # the replacements' timers are watched like the others'
-                        self.watchdog.replace(r.local_rank, group.pids()[r.local_rank],
-                                              self._assignment_now, group.attempt_dir)
-                    continue  # replaced in place; the other workers keep running
-                if inplace.decision is not None and inplace.decision.action == DecisionAction.RESTART:
-                    return Outcome.INPLACE_FALLBACK, failed
-            if failed:
-                return Outcome.LOCAL_FAILURE, failed
-            if inplace is not None and inplace.poll():
-                return Outcome.INPLACE_FALLBACK, []
-            sig = self._signals.received
-            if sig is not None:
-                if self._signals.stop:
-                    return Outcome.SIGNAL, []
-                group.signal_all(sig)
-                self._signals.received = None
-                continue
-            if coord.watch_error is not None:  # logged with its cause: a store we cannot use
-                raise StoreError(f"the failure watch stopped: {coord.watch_error!r}")
-            if coord.failed.is_set():
-                return Outcome.PEER_FAILURE, []
-            if self._health is not None and self._health.failed is not None:
-                return Outcome.UNHEALTHY, []
-            if self._exclusion.flagged.is_set():
-                return Outcome.EXCLUDED, []
-            if watch.changed.is_set():
-                return Outcome.MEMBERSHIP, []
-            if not group.running:
-                if inplace is not None:
-                    inplace.settle()
-                return Outcome.SUCCEEDED, []
+        return monitor(self.group, coord, watch, inplace=self._inplace, recovery=self._recovery,
+                       watchdog=self.watchdog, signals=self._signals, health=self._health,
+                       exclusion=self._exclusion, emit_expiries=self._emit_expiries,
+                       assignment=self._assignment_now, on_replaced=self._replaced)
 
-    def _after_failure(self, outcome: Outcome, failed: list[WorkerResult], coord: RoundCoordinator,
-                       restarts: int) -> Decision | None:
+    def _replaced(self, at: float) -> None:
+        self._replaced_at = at  # in place: when the failures being replaced exited
+
+    def _scene(self) -> Scene:
         assert self.group is not None
-        return after_failure(Scene(self.node_id, self.config, self.group, self._emit, self._recovery, self.watchdog,
-                                   self._health, self._exclusion, self._inplace, self._emit_expiries,
-                                   self._stepped, self._report), outcome, failed, coord, restarts)
+        return Scene(self.node_id, self.config, self.group, self._emit, self._recovery, self.watchdog, self._health,
+                     self._exclusion, self._inplace, self._emit_expiries, self._stepped, self._report)
 
     def _begin_inplace(self, info: RoundInfo, addr: str, restarts: int, keep: bool,
                        previous: RoundInfo | None) -> tuple[dict[str, str], bool]:
@@ -511,14 +389,10 @@ class ElasticAgent:
         if self._inplace_host is None:
             self._inplace_host = InPlaceHost(addr, node_id)
         assert self._budget is not None
-        self._inplace, setup = open_round(
-            self._inplace_host, self.group, self._budget, cfg.policy, info,
-            node_ranges(info, cfg.spec.role, cfg.spec.local_world_size),
-            restarts=restarts, keep=keep, previous=previous,
-            fresh_prefix=round_prefix(cfg.rdzv.job_id, info.round, self.attempts),
-            join_timeout=cfg.rdzv.join_timeout, reform_timeout=cfg.reform_timeout,
-            error_grace=cfg.rdzv.heartbeat_timeout + 5, emit=self._inplace_emit, standby=cfg.standby)
-        return self._inplace.env(node_id, setup.gen), keep and setup.keep
+        self._inplace, env, kept = begin_round(self._inplace_host, self.group, self._budget, cfg, info, node_id,
+                                               restarts=restarts, keep=keep, previous=previous,
+                                               attempt=self.attempts, emit=self._inplace_emit)
+        return env, kept
 
     def _report(self, restarts: int) -> FailureReport:
         assert self.group is not None
@@ -526,38 +400,10 @@ class ElasticAgent:
 
     def _signalled(self) -> AgentResult:
         assert self.group is not None and self.handler is not None
-        sig = self._signals.received or signal.SIGTERM
-        if sig == self.config.preempt_signal:
-            return preempt(self.group, sig, self.config.spec.grace_period, self._emit,
-                           self.config.spec.env.get(ENV_DIR), self.attempts)
-        name = signal.Signals(sig).name
-        self._emit(EventKind.SIGNALLED, signal=name)
-        self.group.stop(sig=sig)
-        return AgentResult(ResultState.SIGNALLED, 128 + sig, f"agent received {name}; workers stopped",
-                           attempts=self.attempts)
+        return signalled(self.group, self._signals.received or signal.SIGTERM, self.config, self._emit,
+                         self.attempts)
 
     # -- helpers ----------------------------------------------------------------------------
-    def _assignment(self, info: RoundInfo, restarts: int, addr: str) -> Assignment:
-        cfg = self.config
-        ranks = node_ranges(info, cfg.spec.role, cfg.spec.local_world_size)
-        assert self.handler is not None
-        # Group rank 0 publishes it as soon as the round closes; longer than a heartbeat timeout
-        # means it is gone, and waiting the join timeout for it would stall every other node.
-        records = self.handler.records.view(info.store, info.store_prefix)
-        stop = lambda: self._signals.stop_reason() is not None  # noqa: E731
-        ws = cfg.workers_store  # torchrun's agent store per backend (agent/master.py)
-        if ws is not None:
-            master_addr, master_port = ws.master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
-                                                 records, stop)
-        else:
-            master_addr, master_port = agree_master(info, addr, cfg.rdzv.heartbeat_timeout + 5,
-                                                    records, stop=stop)
-        return Assignment.from_node_ranks(
-            info.rank, info.world_size, ranks[info.rank], master_addr=master_addr,
-            master_port=master_port, run_id=cfg.rdzv.job_id, restart_count=restarts,
-            max_restarts=cfg.max_restarts, use_agent_store=ws is not None and ws.use_agent_store,
-        )
-
     def _stepped(self) -> bool | None:
         """Whether a worker of the current attempt completed a step (its slot is owned by it and
         counts a step of its own); None when no steps block is read."""
@@ -577,13 +423,7 @@ class ElasticAgent:
     def _inplace_emit(self, kind: EventKind, **fields: Any) -> None:
         """The in-place round's events, also timing its recoveries (replaced, then re-formed)."""
         self._emit(kind, **fields)
-        if kind == EventKind.INPLACE_RECOVERY:
-            replaced = fields.get("replaced") or {}
-            at = self._replaced_at if self._replaced_at is not None else time.monotonic()
-            self._recovery.replaced(at, float(fields.get("spawn_ms") or 0.0) / 1000, set(replaced.values()),
-                                    int(fields.get("restart_count") or 0))
-        elif kind == EventKind.INPLACE_RECOVERED:
-            self._recovery.reformed(float(fields.get("took_ms") or 0.0) / 1000)
+        self._recovery.inplace_event(kind, fields, self._replaced_at)
 
     def _emit(self, kind: EventKind, **fields: Any) -> None:
         log.info("%s %s", kind, " ".join(f"{k}={v}" for k, v in fields.items()))

@@ -1,29 +1,32 @@
-"""The failure path: from a round's failure outcome to the job's decision (restart or give up).
+"""The failure path: from a round's failure outcome to the job's decision, and what follows it.
 
 Apart from the loop because it is the one place a reader looks for "what does a node do when
 something failed": each kind of failure (a worker of this node, a peer's, a failed health
 check, an exclusion, an in-place recovery that did not come together) is reported first, the
 workers stopped, and then the decision is made here (this node failed first) or awaited (a
-peer did). What a failure is called comes from ``failure_cause``; what the nodes agree on, from
-``coordination``.
+peer did); on a restart the agent backs off and goes on to the next round, on a give-up the
+job is shut down with the agent's result (:func:`on_failure`). What a failure is called comes
+from ``failure_cause``; what the nodes agree on, from ``coordination``.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from ..metrics.kinds import Emit, EventKind
+from ..rendezvous import RendezvousHandler, RoundInfo
 from ..supervisor.group import WorkerGroup
 from ..supervisor.report import FailureReport
 from ..supervisor.spec import WorkerResult
 from .config import AgentConfig
 from .coordination import Decision, RoundCoordinator
 from .excluded import ExclusionGate
-from .failure_cause import first_failed, root_cause, why_failed
+from .failure_cause import failed_at, first_failed, root_cause, why_failed
 from .health import HealthWatch
 from .inplace import InPlaceRound
-from .outcome import Outcome
+from .outcome import AgentResult, DecisionAction, Outcome, ResultState
 from .recovery import RecoveryWatch
 from .watchdog import Watchdog
 
@@ -46,6 +49,41 @@ class Scene:
     emit_expiries: Callable[[], None]  # the reaper's and the progress watch's news, as events
     stepped: Callable[[], bool | None]  # whether the attempt made a step (None: not counted)
     report: Callable[[int], FailureReport]  # the failure report at a restart count
+
+
+def on_failure(s: Scene, handler: RendezvousHandler, info: RoundInfo, outcome: Outcome, failed: list[WorkerResult],
+               coord: RoundCoordinator, restarts: int, noticed: float | None, attempt_pids: set[int],
+               backoff: Callable[[float], None], attempts: int) -> AgentResult | None:
+    """The whole failure path of a round that ended in ``outcome``: the recovery's first
+    moment marked, the decision (:func:`after_failure`, or charged here when none came), and
+    what the agent does with it: None after the restart's backoff (on to the next round), or
+    the agent's result when the job gives up."""
+    local = outcome == Outcome.LOCAL_FAILURE and noticed is not None
+    s.recovery.failed(failed_at(failed, s.watchdog) if local else None,
+                      noticed if local and noticed is not None else time.monotonic(), attempt_pids)
+    decision = after_failure(s, outcome, failed, coord, restarts)
+    if decision is None:
+        # No decision came (the node that failed first died before deciding, or never
+        # could): the failure is charged, not forgiven, as an OTP supervisor escalates.
+        note = coord.failure_note()
+        cause = f"round {info.round}: no decision came for " + (
+            "a failure" if note is None else f"node {note.node_id}'s failure ({note.headline})")
+        decision = coord.take_over(s.config.policy, cause, s.config.decision_timeout)
+        log.warning("%s: charged by %s", cause, "this node or the one that took over")
+    if decision.action == DecisionAction.RESTART:
+        s.recovery.restarting(decision.restart_count)
+        s.emit(EventKind.RESTART, restart_count=decision.restart_count, delay_s=decision.delay_s,
+               reason=decision.reason)
+        backoff(decision.delay_s)
+        return None
+    handler.shutdown(f"failed: {decision.reason}")
+    report = s.report(restarts) if outcome == Outcome.LOCAL_FAILURE else None
+    s.emit(EventKind.JOB_FAILED, reason=decision.reason)
+    note = coord.failure_note()
+    where = "" if note is None or note.node_id == handler.node_id else \
+        f" (first failure on node {note.node_id}: {note.headline})"
+    return AgentResult(ResultState.FAILED, 1, decision.reason + where, report=report,
+                       restarts=restarts, attempts=attempts)
 
 
 def after_failure(s: Scene, outcome: Outcome, failed: list[WorkerResult], coord: RoundCoordinator,

@@ -45,7 +45,7 @@ from typing import Optional
 
 from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key,
-    newest_sealed, publish, ready_key, ready_time,
+    newest_sealed, publish, ready_key, ready_time, round_prefix,
 )
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
@@ -54,10 +54,11 @@ from ..store import PrefixStore, Store, StoreError, StoreTimeout, TCPStore
 from ..supervisor.env import NodeRanks
 from ..supervisor.group import WorkerGroup
 from ..supervisor.spec import WorkerResult
-from .coordination import Budget, Decision, records_of
+from .config import AgentConfig
+from .coordination import Budget, Decision, node_ranges, records_of
 from .inplace_host import InPlaceHost, Setup, inplace_key
 from .outcome import DecisionAction
-from .progress import Hang, declare_frozen
+from .hang import Hang, declare_frozen
 from .policy import RestartPolicy
 
 log = logging.getLogger("elastictk.agent")
@@ -72,6 +73,21 @@ def spend_restart(job: Store | Budget, policy: RestartPolicy, cause: str) -> Dec
     charges), or a bare store (no token)."""
     budget = job if isinstance(job, Budget) else Budget(records_of(job))
     return budget.spend(policy, cause)
+
+
+def begin_round(host: InPlaceHost, group: WorkerGroup, budget: Budget, cfg: AgentConfig, info: RoundInfo,
+                node_id: str, *, restarts: int, keep: bool, previous: Optional[RoundInfo], attempt: int,
+                emit: Emit) -> tuple["InPlaceRound", dict[str, str], bool]:
+    """:func:`open_round` with the agent's settings: the round, the workers' extra environment,
+    and True when this agent's running workers carry on into it (``keep`` asked for it and
+    the round's setup agreed)."""
+    rnd, setup = open_round(
+        host, group, budget, cfg.policy, info, node_ranges(info, cfg.spec.role, cfg.spec.local_world_size),
+        restarts=restarts, keep=keep, previous=previous,
+        fresh_prefix=round_prefix(cfg.rdzv.job_id, info.round, attempt),
+        join_timeout=cfg.rdzv.join_timeout, reform_timeout=cfg.reform_timeout,
+        error_grace=cfg.rdzv.heartbeat_timeout + 5, emit=emit, standby=cfg.standby)
+    return rnd, rnd.env(node_id, setup.gen), keep and setup.keep
 
 
 def open_round(host: InPlaceHost, group: WorkerGroup, job: Store | Budget, policy: RestartPolicy, info: RoundInfo,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..metrics.kinds import Emit, EventKind
 from ..metrics.layout import SlotSnapshot
@@ -93,6 +93,17 @@ class RecoveryWatch:
         acted = started - max(0.0, spawn_s)
         self._now = _Recovery(IN_PLACE, {"failed": min(at, acted), "acted": acted, "started": started},
                               set(), pids=set(pids), confirmed=True, restart_count=restart_count)
+
+    def inplace_event(self, kind: EventKind, fields: dict[str, Any], replaced_at: float | None) -> None:
+        """An in-place round's event, read for its recovery's moments: the replacements
+        started (``replaced_at``: when the failures being replaced exited), then re-formed."""
+        if kind == EventKind.INPLACE_RECOVERY:
+            replaced = fields.get("replaced") or {}
+            at = replaced_at if replaced_at is not None else time.monotonic()
+            self.replaced(at, float(fields.get("spawn_ms") or 0.0) / 1000, set(replaced.values()),
+                          int(fields.get("restart_count") or 0))
+        elif kind == EventKind.INPLACE_RECOVERED:
+            self.reformed(float(fields.get("took_ms") or 0.0) / 1000)
 
     def reformed(self, took_s: float) -> None:
         """The generation formed and synced, ``took_s`` after the replacements began to start."""

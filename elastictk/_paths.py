@@ -36,6 +36,24 @@ class Unsafe(ValueError):
     """A path that is not this user's to write in; the message is one line with the fix."""
 
 
+def shared_sticky(mode: int) -> bool:
+    """A sticky directory every user may write in (``/tmp``, mode 1777)."""
+    return bool(mode & stat.S_ISVTX and mode & stat.S_IWOTH)
+
+
+def private_subdir_fix(path: str | os.PathLike[str], flag: str = "") -> str:
+    """The fix offered for a shared sticky directory: a private subdirectory of it, never making
+    it unwritable for everyone else (``flag``: how the user names it, e.g. ``--snapshot-dir``)."""
+    try:
+        import pwd
+
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        user = f"uid{os.geteuid()}"
+    sub = os.path.join(path, f"{user}-elastictk")
+    return f"a private subdirectory, e.g. {flag + ' ' if flag else ''}{sub} (created mode 0700)"
+
+
 def owner_problem(path: str | os.PathLike[str], st: os.stat_result, what: str = "directory") -> str | None:
     """Why ``st`` (of ``path``) is not this user's own, or writable by others; None if fine."""
     uid = os.geteuid()
@@ -43,10 +61,9 @@ def owner_problem(path: str | os.PathLike[str], st: os.stat_result, what: str = 
         return (f"{path} is owned by user id {st.st_uid}, not by the current user (id {uid}); another "
                 f"user could plant files in it; use a {what} of your own")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & stat.S_ISVTX and mode & stat.S_IWOTH:  # /tmp: never make it unwritable for all
+    if shared_sticky(mode):  # /tmp: never make it unwritable for all
         return (f"{path} is writable by group or others (mode {mode:04o}: every user can write "
-                f"in it); use a private subdirectory of it, e.g. "
-                f"{os.path.join(path, 'elastictk')} (created mode 0700)")
+                f"in it); use {private_subdir_fix(path)}")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (f"{path} is writable by group or others (mode {mode:04o}); run chmod go-w {path}, "
                 f"or use a private {what}")

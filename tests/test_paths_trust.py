@@ -84,6 +84,28 @@ def test_a_directory_passes_only_when_it_is_mine_and_nobody_else_can_write_it(mi
             assert "private subdirectory" in problem and "chmod" not in problem
 
 
+def test_a_shared_sticky_directory_gets_one_fix_from_the_launcher_and_the_path_rule(tmp_path: Path) -> None:
+    """/tmp (mode 1777) named where a private directory is needed: the launcher's first check
+    (--snapshot-dir) and the owner rule (log, report, event-log directories) offer the same
+    private subdirectory, worded in one place (_paths.private_subdir_fix)."""
+    from elastictk.cli.preflight import shared_dir_first_fix
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    fix = _paths.private_subdir_fix(str(shared))
+    assert "chmod" not in fix and fix.endswith("-elastictk (created mode 0700)")
+    problem = _paths.owner_problem(str(shared), os.stat(shared))
+    assert problem is not None and problem.endswith(f"use {fix}")
+    with pytest.raises(UsageError) as e:
+        shared_dir_first_fix(str(shared), "--snapshot-dir")
+    assert str(e.value).endswith("give " + _paths.private_subdir_fix(str(shared), "--snapshot-dir"))
+    assert fix.split("e.g. ")[1] == str(e.value).split("e.g. --snapshot-dir ")[1]
+    shared.chmod(0o777)  # writable by all without the sticky bit: the general rule's fix
+    shared_dir_first_fix(str(shared), "--snapshot-dir")
+    assert "chmod go-w" in (_paths.owner_problem(str(shared), os.stat(shared)) or "")
+
+
 KINDS = {"file": stat.S_IFREG, "fifo": stat.S_IFIFO, "chardev": stat.S_IFCHR, "blockdev": stat.S_IFBLK,
          "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK, "socket": stat.S_IFSOCK}
 

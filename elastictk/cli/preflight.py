@@ -14,7 +14,7 @@ import stat
 import tempfile
 from typing import Protocol
 
-from .._paths import Unsafe, check_file_dir, dir_problem, open_append
+from .._paths import Unsafe, check_file_dir, dir_problem, open_append, private_subdir_fix, shared_sticky
 from ..store.endpoint import Endpoint
 from .values import UsageError
 
@@ -76,13 +76,11 @@ def shared_dir_first_fix(path: str, flag: str) -> None:
     # Sticky only: in a directory others may write without the sticky bit they could rename a
     # private subdirectory away, so there the fix stays the general rule's (chmod go-w, or a
     # directory of one's own; elastictk/_paths.py says it).
-    if not stat.S_ISDIR(st.st_mode) or st.st_mode & (stat.S_IWOTH | stat.S_ISVTX) != stat.S_IWOTH | stat.S_ISVTX:
+    if not stat.S_ISDIR(st.st_mode) or not shared_sticky(st.st_mode):
         return
-    user = _user_name()
     raise UsageError(f"{flag} {path}: every user can write in {path} (mode "
                      f"{stat.S_IMODE(st.st_mode):04o}), and this needs a directory only you can "
-                     f"write; give a private subdirectory, e.g. {flag} "
-                     f"{os.path.join(path, f'{user}-elastictk')} (created mode 0700)")
+                     f"write; give {private_subdir_fix(path, flag)}")
 
 
 #: First words ``sh`` runs itself (builtins, keywords): what they do is the shell's to judge.
@@ -120,15 +118,6 @@ def check_health_command(command: str) -> None:
     if not os.access(first, os.X_OK):
         raise UsageError(f"--health-check {command!r}: {first} is not executable (the shell would "
                          f"exit 126 at every check); run chmod +x {first}, or start it with sh")
-
-
-def _user_name() -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return f"uid{os.geteuid()}"
 
 
 def check_event_log(path: str) -> None:

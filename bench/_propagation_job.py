@@ -43,16 +43,16 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import psutil
 
-from ._trainlog import FINAL, PIDS, WORKER
+from ._trainlog import AGENT_EVENT, FINAL, PIDS, TORCH_WORKER_FAILED, WORKER
+from ._launched import descendants, launch, launcher_env, read_stamped, reap, wait_until
 from .common import BenchError
 
-ETK_EVENT = re.compile(r"\[elastictk-run\] (\w+)(.*)")
 GROUP_RANK = re.compile(r"\brank=(\d+)")
 TORCH_EVENTS = (
     (re.compile(r"Worker group (?:FAILED|UNHEALTHY)"), "torch_group_failed"),
     (re.compile(r"Detected \d+ new nodes"), "torch_peer_waiting"),
     (re.compile(r"Stopping worker group"), "torch_stopping"),
-    (re.compile(r"failed \(exitcode: "), "torch_worker_failed"),
+    TORCH_WORKER_FAILED,
     (re.compile(r"Starting worker group"), "torch_starting"),
 )
 
@@ -79,7 +79,7 @@ class Timeline:
                 self.resumed.append((t, rank, int(m["resumed"]), int(m["attempt"])))
         for m in FINAL.finditer(line):
             self.finals.append((t, m[1], int(m[2])))
-        m = ETK_EVENT.search(line)
+        m = AGENT_EVENT.search(line)
         if m:
             self.events.append((t, node, m[1], m[2].strip()))
         for pattern, name in TORCH_EVENTS:
@@ -179,7 +179,7 @@ class Cluster:
     def __init__(self, argvs: Sequence[Sequence[str]], *, cwd: Path, logs: Path,
                  env: Optional[Mapping[str, str]] = None) -> None:
         self.argvs = [list(a) for a in argvs]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = launcher_env(env)
         self.cwd = cwd
         self.logs = logs
         self.timeline = Timeline()
@@ -194,11 +194,7 @@ class Cluster:
         self.started_at = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
         for i, argv in enumerate(self.argvs):
-            # Own session: a Ctrl-C at the terminal reaches the benchmark, which stops the
-            # launchers the orderly way in close().
-            p = subprocess.Popen(argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+            p = launch(argv, self.cwd, self.env)  # its own session (_launched.py)
             self._procs.append(p)
             self._seen[p.pid] = psutil.Process(p.pid)
             th = threading.Thread(target=self._read, args=(i, p), name=f"node{i}-output",
@@ -208,33 +204,21 @@ class Cluster:
         return self.started_at
 
     def _read(self, node: int, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        with open(self.logs / f"node{node}.log", "wb") as log:
-            for raw in iter(proc.stdout.readline, b""):
-                t = time.monotonic()
-                log.write(f"{t - self.started_at:9.3f} ".encode() + raw)
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                with self._cond:
-                    tail = self.tails[node]
-                    tail.append(line)
-                    del tail[:-8]
-                    self.timeline.parse(node, t, line)
-                    self._cond.notify_all()
-        with self._cond:
+        def line(t: float, text: str) -> None:
+            tail = self.tails[node]
+            tail.append(text)
+            del tail[:-8]
+            self.timeline.parse(node, t, text)
+
+        def eof() -> None:
             self.timeline.eof[node] = time.monotonic()
-            self._cond.notify_all()
+
+        read_stamped(proc, self.logs / f"node{node}.log", self.started_at, self._cond, line, eof)
 
     def wait_for(self, pred: Callable[[Timeline], bool], timeout: float, what: str) -> None:
         """Block until ``pred(timeline)`` holds; BenchError naming ``what`` on timeout or EOF."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not pred(self.timeline):
-                if len(self.timeline.eof) == len(self.argvs):
-                    raise BenchError(f"output ended before {what}; {self.tail()}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BenchError(f"no {what} within {timeout:.0f}s; {self.tail()}")
-                self._cond.wait(left)
+        wait_until(self._cond, lambda: pred(self.timeline), lambda: len(self.timeline.eof) == len(self.argvs),
+                   timeout, what, self.tail)
 
     def wait_exit(self, timeout: float) -> list[int]:
         """Every launcher's exit code, once all exited and their output is fully read."""
@@ -251,16 +235,7 @@ class Cluster:
 
     # -- workers --------------------------------------------------------------------------------
     def _scan(self) -> list[tuple[int, psutil.Process]]:
-        out = []
-        for node, p in enumerate(self._procs):
-            try:
-                kids = psutil.Process(p.pid).children(recursive=True)
-            except psutil.Error:
-                continue
-            for k in kids:
-                self._seen.setdefault(k.pid, k)
-                out.append((node, k))
-        return out
+        return [(node, k) for node, p in enumerate(self._procs) for k in descendants(p.pid, self._seen)]
 
     def torch_workers(self, script: str) -> dict[int, tuple[int, psutil.Process]]:
         """rank -> (node, process) of torchrun's live workers, from their environment."""
@@ -302,36 +277,9 @@ class Cluster:
         """Stop launchers that still run (SIGTERM, then SIGKILL), SIGKILL any process they
         started that is still alive; every pid this job ever saw."""
         self._scan()
-        for p in self._procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self._procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(30)
-        left = [p for p in self._seen.values() if _alive(p)]
-        for p in left:
-            try:
-                p.kill()  # psutil checks the pid still names the process it saw
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=30)
-        for p, th in zip(self._procs, self._readers):
-            th.join(30)
-            if p.stdout is not None:
-                p.stdout.close()
-        return sorted(self._seen)
+        return reap(self._procs, self._readers, self._seen)
 
     def tail(self) -> str:
         with self._cond:
             parts = [f"node{i}: " + " | ".join(t[-4:]) for i, t in enumerate(self.tails)]
         return "last lines: " + " || ".join(parts) + f" (logs: {self.logs})"
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -42,13 +41,13 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import psutil
 
-from ._trainlog import FINAL, PIDS, WORKER
+from ._trainlog import AGENT_EVENT, FINAL, PIDS, TORCH_WORKER_FAILED, WORKER
+from ._launched import descendants, launch, launcher_env, read_stamped, reap, wait_until
 from .common import BenchError
 
-AGENT = re.compile(r"\[elastictk-run\] (\w+)(.*)")
 # torchrun's agent says little at its default log level; these two lines it does print.
 TORCH_MARKS = (
-    (re.compile(r"failed \(exitcode: "), "torch_worker_failed"),
+    TORCH_WORKER_FAILED,
     (re.compile(r"Sending process \d+ closing signal"), "torch_stopping_workers"),
 )
 
@@ -104,7 +103,7 @@ def parse_line(tl: Timeline, t: float, line: str) -> None:
     m = FINAL.search(line)
     if m:
         tl.final = (t, m[1], int(m[2]))
-    m = AGENT.search(line)
+    m = AGENT_EVENT.search(line)
     if m:
         tl.agent.append((t, m[1], m[2].strip()))
     for pattern, name in TORCH_MARKS:
@@ -118,7 +117,7 @@ class Job:
     def __init__(self, argv: Sequence[str], *, cwd: Path, log: Path,
                  env: Optional[Mapping[str, str]] = None) -> None:
         self.argv = list(argv)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = launcher_env(env)
         self.cwd = cwd
         self.log_path = log
         self.timeline = Timeline()
@@ -133,12 +132,7 @@ class Job:
     def start(self) -> float:
         """Launch; the monotonic time just before the launcher was started."""
         self.started_at = time.monotonic()
-        # Its own session: a Ctrl-C at the benchmark's terminal reaches the benchmark, which
-        # then stops the launcher (and with it its workers) the orderly way, in close().
-        self._proc = subprocess.Popen(
-            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self._proc = launch(self.argv, self.cwd, self.env)  # its own session (_launched.py)
         self._seen[self._proc.pid] = psutil.Process(self._proc.pid)
         self._reader = threading.Thread(target=self._read, name="job-output", daemon=True)
         self._reader.start()
@@ -150,34 +144,20 @@ class Job:
         return self._proc.pid
 
     def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        with open(self.log_path, "wb") as log:
-            for raw in iter(self._proc.stdout.readline, b""):
-                t = time.monotonic()
-                log.write(f"{t - self.started_at:9.3f} ".encode() + raw)
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                with self._cond:
-                    self.lines.append((t, line))
-                    self._parse(t, line)
-                    self._cond.notify_all()
-        with self._cond:
-            self.timeline.eof = time.monotonic()
-            self._cond.notify_all()
+        assert self._proc is not None
+        read_stamped(self._proc, self.log_path, self.started_at, self._cond, self._line, self._eof)
 
-    def _parse(self, t: float, line: str) -> None:
+    def _line(self, t: float, line: str) -> None:
+        self.lines.append((t, line))
         parse_line(self.timeline, t, line)
+
+    def _eof(self) -> None:
+        self.timeline.eof = time.monotonic()
 
     def wait_for(self, pred: Callable[[Timeline], bool], timeout: float, what: str) -> None:
         """Block until ``pred(timeline)`` holds; BenchError naming ``what`` on timeout or EOF."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not pred(self.timeline):
-                if self.timeline.eof is not None:
-                    raise BenchError(f"{self.name}: output ended before {what}; {self.tail()}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BenchError(f"{self.name}: no {what} within {timeout:.0f}s; {self.tail()}")
-                self._cond.wait(left)
+        wait_until(self._cond, lambda: pred(self.timeline), lambda: self.timeline.eof is not None, timeout,
+                   what, self.tail, prefix=f"{self.name}: ")
 
     def wait_exit(self, timeout: float) -> int:
         """The launcher's exit code, once it exited and its output is fully read."""
@@ -198,35 +178,11 @@ class Job:
         """Stop the launcher if it still runs (SIGTERM, then SIGKILL), then SIGKILL any process
         it started that is still alive; every pid this job ever saw."""
         self._scan()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(30)
-        left = [p for p in self._seen.values() if _alive(p)]
-        for p in left:
-            try:
-                p.kill()  # psutil checks the pid still names the process it saw
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=30)
-        if self._proc is not None and self._proc.stdout is not None:
-            if self._reader is not None:
-                self._reader.join(30)
-            self._proc.stdout.close()
-        return sorted(self._seen)
+        return reap([self._proc] if self._proc is not None else [], [self._reader], self._seen)
 
     # -- processes ------------------------------------------------------------------------------
     def _scan(self) -> list[psutil.Process]:
-        try:
-            kids = psutil.Process(self.pid).children(recursive=True)
-        except psutil.Error:
-            return []
-        for p in kids:
-            self._seen.setdefault(p.pid, p)
-        return kids
+        return descendants(self.pid, self._seen)
 
     def worker(self, rank: int, world: int) -> psutil.Process:
         """The live process of ``rank`` in the current attempt (see the module docstring)."""
@@ -252,13 +208,6 @@ class Job:
         with self._cond:
             last = [line for _, line in self.lines[-n:]]
         return f"last lines: {' | '.join(last) or '(none)'} (full log: {self.log_path})"
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _env_rank(p: psutil.Process) -> Optional[int]:

@@ -33,48 +33,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 
-from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved, kill_tree
+from ._agents import ELASTICTK_CONF, ROOT, TORCH_CONF, Agents, agent_argv
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
 
 if TYPE_CHECKING:  # pragma: no cover - the test hosts live with the tests (root, iproute2)
     from tests.helpers.netns import Hosts
 
 TITLE = "Multinode: three hosts (network namespaces) recover from the loss of one, elastictk-run vs torchrun"
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "bench" / "_multinode_worker.py")
 PORT = 29400
 START_TIMEOUT = 120.0
 RECOVERY_TIMEOUT = 90.0
 PROBE_TIMEOUT = 45.0
 SPARE_SETTLE = 10.0
 SPARE_GAP = 1.0
-ELASTICTK_CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
-TORCH_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
-
-
 def _argv(launcher: str, backend: str, endpoint: str, run_id: str, out: Path, store_host: bool) -> list[str]:
     common = ["--nnodes", "2:3", "--nproc-per-node", "2", "--rdzv-backend", backend,
               "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "3"]
-    if launcher == "elastictk":
-        return [sys.executable, "-m", "elastictk.run", *common, "--rdzv-conf", ELASTICTK_CONF,
-                "--shutdown-timeout", "2", WORKER, str(out)]
     # torchrun finds "the endpoint is me" by host name, which the test hosts share; say it.
-    conf = TORCH_CONF + (",is_host=1" if store_host and backend == "c10d" else "")
-    return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-conf", conf,
-            "--monitor-interval", "0.1", WORKER, str(out)]
+    return agent_argv(launcher, common, out, TORCH_CONF + (",is_host=1" if store_host and backend == "c10d" else ""))
 
 
-class Run:
+class Run(Agents):
     """One job across the hosts: start, wait for steps, kill a host, reap everything."""
 
     def __init__(self, hosts: "Hosts", launcher: str, base: Path, tag: str, backend: str = "c10d",
                  endpoint: str | None = None, count: int = 3) -> None:
-        self.hosts, self.launcher, self.tag = hosts, launcher, tag
-        self.out = base / tag
+        super().__init__(launcher, base / tag)
+        self.hosts, self.tag = hosts, tag
         self.out.mkdir()
         self.endpoint = endpoint or f"{hosts[0].addr}:{PORT}"
         self.backend = backend
-        self.agents: list[subprocess.Popen[str]] = []
-        self.pids: list[int] = []
         # gloo would bind to what the host name resolves to (127.0.0.1 here, a loopback each
         # namespace has its own of): name the interface, as on a multi-NIC cluster.
         self.env = dict(os.environ, TMPDIR=str(self.out), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
@@ -98,39 +86,6 @@ class Run:
             except TimeoutError as e:
                 raise BenchError(str(e)) from None
 
-    def steps(self) -> list[tuple[float, int, int]]:
-        path = self.out / "steps.log"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 4:  # time, world, rank, pid (the pid is the spares bench's)
-                out.append((float(parts[0]), int(parts[1]), int(parts[2])))
-        return out
-
-    def all_stepping(self, world: int, after: float) -> float | None:
-        """When every rank of a ``world``-rank job had logged a step after ``after``."""
-        first: dict[int, float] = {}
-        for t, w, r in self.steps():
-            if w == world and t > after and r not in first:
-                first[r] = t
-        return max(first.values()) if len(first) == world else None
-
-    def wait(self, what: str, pred: Callable[[], float | None], timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got is not None:
-                return got
-            time.sleep(0.05)
-        raise BenchError(f"{self.launcher}: {what} not within {timeout:g}s; {self.tail()}")
-
-    def logged(self, i: int, marker: str) -> float | None:
-        """Now, once host ``i``'s agent log holds ``marker``; else None."""
-        path = self.out / f"agent{i}.log"
-        return time.monotonic() if path.exists() and marker in path.read_text(errors="replace") else None
-
     def tail(self) -> str:
         logs = []
         for i in range(len(self.agents)):
@@ -138,27 +93,14 @@ class Run:
             logs.append(f"host {i}: " + " / ".join(text.strip().splitlines()[-3:]))
         return "; ".join(logs)
 
-    def kill_host(self, i: int) -> float:
-        """SIGKILL host ``i``'s agent and every process under it at once; the kill's time."""
-        t, pids = kill_tree(self.agents[i].pid)
-        self.pids += pids
-        return t
-
-    def close(self) -> list[int]:
-        """Kill what is left (by PID, trees first) and return every PID this run started."""
-        for a in self.agents:
-            self.pids += kill_tree(a.pid)[1]
-            a.wait()
-        return self.pids + [a.pid for a in self.agents]
-
 
 def _lose_a_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pids: list[int]) -> float:
     run = Run(hosts, launcher, base, tag)
     try:
-        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
-        t_kill = run.kill_host(2)
+        run.wait("six ranks stepping", lambda: run.stepping(6, 0.0), START_TIMEOUT)
+        t_kill = run.kill(2)
         done = run.wait("four ranks stepping after host C was lost",
-                        lambda: run.all_stepping(4, t_kill), RECOVERY_TIMEOUT)
+                        lambda: run.stepping(4, t_kill), RECOVERY_TIMEOUT)
         return done - t_kill
     finally:
         pids += run.close()
@@ -171,16 +113,16 @@ def _lose_a_host_with_a_spare(hosts: "Hosts", launcher: str, base: Path, tag: st
     later six-rank step is the new job's."""
     run = Run(hosts, launcher, base, tag)
     try:
-        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
+        run.wait("six ranks stepping", lambda: run.stepping(6, 0.0), START_TIMEOUT)
         run.start(3)
         if launcher == "elastictk":  # its agent says when it waits as a spare
             run.wait("host D waiting as a spare", lambda: run.logged(3, "spare_waiting"), START_TIMEOUT)
         else:  # torchrun says nothing at its default log level: give its agent time to start
             time.sleep(SPARE_SETTLE)
         time.sleep(1.0)  # the running job must not notice
-        t_kill = run.kill_host(2)
+        t_kill = run.kill(2)
         done = run.wait("six ranks stepping after host C was lost (host D a spare)",
-                        lambda: run.all_stepping(6, t_kill + SPARE_GAP), RECOVERY_TIMEOUT)
+                        lambda: run.stepping(6, t_kill + SPARE_GAP), RECOVERY_TIMEOUT)
         return done - t_kill
     finally:
         pids += run.close()
@@ -192,14 +134,14 @@ def _lose_the_store_host(hosts: "Hosts", launcher: str, base: Path, tag: str, pi
     """What happens when host A (the c10d store's host, or an etcd member's) is lost."""
     run = Run(hosts, launcher, base, tag, backend=backend, endpoint=endpoint)
     try:
-        run.wait("six ranks stepping", lambda: run.all_stepping(6, 0.0), START_TIMEOUT)
-        t_kill = run.kill_host(0)
+        run.wait("six ranks stepping", lambda: run.stepping(6, 0.0), START_TIMEOUT)
+        t_kill = run.kill(0)
         if also_kill is not None:
             also_kill()  # the host's etcd member dies with it
         deadline = t_kill + PROBE_TIMEOUT
         recovered = None
         while time.monotonic() < deadline:
-            recovered = run.all_stepping(4, t_kill)
+            recovered = run.stepping(4, t_kill)
             ended = [a.poll() for a in run.agents[1:]]
             if recovered is not None or all(c is not None for c in ended):
                 break

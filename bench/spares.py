@@ -30,38 +30,32 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import psutil
 
-from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved, kill_tree
+from ._agents import ELASTICTK_CONF, ROOT, TORCH_CONF, Agents, agent_argv
+from .common import BenchError, BenchResult, Comparison, Measured, RunConfig, fmt, interleaved
 
 TITLE = "Spares: a node of two lost, recovery with a waiting spare vs without, elastictk-run vs torchrun"
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "bench" / "_multinode_worker.py")
 START_TIMEOUT, RECOVERY_TIMEOUT = 120.0, 60.0
 SETTLE = 1.0  # after the spare waits, before the kill: the running job must not notice it
-ELASTICTK_CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
-TORCH_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
 TORCH_SETTLE = 8.0  # torchrun's third agent: started, joined its rendezvous (it says nothing)
 ARMS = ("elastictk spare", "elastictk none", "torchrun spare", "torchrun none")
 
 
-class Job:
+class Job(Agents):
     """Agents of one job on loopback: start, watch the steps log, kill a node, reap by PID."""
 
     def __init__(self, launcher: str, work: Path) -> None:
         from elastictk.store import free_port
 
-        self.launcher, self.out = launcher, work
+        super().__init__(launcher, work)
         work.mkdir()
         self.port = free_port()
-        self.agents: list[subprocess.Popen[bytes]] = []
-        self.pids: list[int] = []
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICTK_", "PET_"))}
         self.env.update(TMPDIR=str(work), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
@@ -69,12 +63,7 @@ class Job:
         common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "spares",
                   "--max-restarts", "3"]
-        if self.launcher == "elastictk":
-            return [sys.executable, "-m", "elastictk.run", *common, "--rdzv-conf", ELASTICTK_CONF,
-                    "--shutdown-timeout", "2", WORKER, str(self.out)]
-        conf = f"{TORCH_CONF},is_host={1 if i == 0 else 0}"
-        return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-conf", conf,
-                "--monitor-interval", "0.1", WORKER, str(self.out)]
+        return agent_argv(self.launcher, common, self.out, f"{TORCH_CONF},is_host={1 if i == 0 else 0}")
 
     def start(self) -> None:
         i = len(self.agents)
@@ -89,37 +78,6 @@ class Job:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port:
                 return time.monotonic()
         return None
-
-    def steps(self) -> list[tuple[float, int, int, int]]:
-        path = self.out / "steps.log"
-        out = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            parts = line.split()
-            if len(parts) == 4:
-                out.append((float(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])))
-        return out
-
-    def stepping(self, world: int, after: float, old: set[int]) -> Optional[float]:
-        """When every rank of a ``world``-rank job had logged a step after ``after`` from a
-        process not in ``old``."""
-        first: dict[int, float] = {}
-        for t, w, r, pid in self.steps():
-            if w == world and t > after and pid not in old and r not in first:
-                first[r] = t
-        return max(first.values()) if len(first) == world else None
-
-    def logged(self, i: int, marker: str) -> Optional[float]:
-        path = self.out / f"agent{i}.log"
-        return time.monotonic() if path.exists() and marker in path.read_text(errors="replace") else None
-
-    def wait(self, what: str, pred: Callable[[], Optional[float]], timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got is not None:
-                return got
-            time.sleep(0.05)
-        raise BenchError(f"{self.launcher}: {what} not within {timeout:g}s; {self.tail()}")
 
     def tail(self) -> str:
         parts = []
@@ -136,18 +94,6 @@ class Job:
             if any(c.pid in recent for c in psutil.Process(a.pid).children(recursive=True)):
                 return i
         raise BenchError(f"{self.launcher}: no member but the store's host is stepping; {self.tail()}")
-
-    def kill_node(self, i: int) -> float:
-        """SIGKILL agent ``i`` and everything under it at once; the kill's monotonic time."""
-        t, pids = kill_tree(self.agents[i].pid)
-        self.pids += pids
-        return t
-
-    def close(self) -> list[int]:
-        for a in self.agents:
-            self.pids += kill_tree(a.pid)[1]
-            a.wait()
-        return self.pids + [a.pid for a in self.agents]
 
 
 def lose_a_node(launcher: str, spare: bool, work: Path, pids: list[int]) -> tuple[float, int, bool]:
@@ -174,7 +120,7 @@ def lose_a_node(launcher: str, spare: bool, work: Path, pids: list[int]) -> tupl
             restarted = bool({pid for u, _, _, pid in job.steps() if u > t} - before)
         old = {pid for _, _, _, pid in job.steps()}
         world = 2 if spare else 1
-        t_kill = job.kill_node(job.member_not_hosting())
+        t_kill = job.kill(job.member_not_hosting())
         done = job.wait(f"{world} rank(s) stepping after node 1 was lost",
                         lambda: job.stepping(world, t_kill, old), RECOVERY_TIMEOUT)
         return done - t_kill, world, restarted

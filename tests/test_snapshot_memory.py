@@ -11,6 +11,7 @@ rest, when the last commit of each node has arrived whole.
 """
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -50,6 +51,7 @@ def _commit(region: Region, step: int, rank: int) -> None:
 
 
 def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_more_at_most() -> None:
+    gc.collect()  # an earlier test's replicas, unreachable but still mapped, go first
     base = _anon_shared()
     holders = [Holder(1, 4 * PART) for _ in range(2)]
     tiers = [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, 4 * PART) for h in holders]
@@ -107,4 +109,4 @@ def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_mo
             t.close()
         for h in holders:
             h.close()
-    assert _anon_shared() == base, "every replica's mapping went with its tier"
+    assert _anon_shared() <= base, "every replica's mapping went with its tier"

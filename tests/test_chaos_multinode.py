@@ -73,10 +73,16 @@ def test_a_short_c10d_outage_is_ridden_through_and_a_lost_node_rejoins(tmp_path:
 def test_a_lost_agent_of_a_gloo_job_over_the_budget_fails_with_the_budget_message(tmp_path: Path) -> None:
     # The survivors' workers break in all_reduce before the heartbeat says the node is gone: a
     # failure, charged to --max-restarts 0, so the job must fail naming the spent budget.
+    # The first round waits for both nodes (a round closes at once when full; the long last call
+    # only bounds a node that never comes): node 1's agent started 20 s late on a loaded host and
+    # node 0 alone had run the whole job, so the fault never fired. A 10 s heartbeat timeout keeps
+    # the broken all_reduce first on a loaded host too.
+    conf = CONF.replace("last_call_timeout=2", "last_call_timeout=600").replace("heartbeat_timeout=1.5",
+                                                                                "heartbeat_timeout=10")
     plan = planned(tmp_path, Fault.of("kill-agent", "node:1", at_s=1))
     r = chaos(tmp_path, "--nodes", "2", "--nnodes", "1:2", "--plan", plan, "--nproc-per-node", "1",
-              "--max-restarts", "0", "--rdzv-conf", CONF, "--", TRAIN, "--steps", "200", "--step-time", "0.05",
-              "--ckpt-dir", "{run_dir}")
+              "--max-restarts", "0", "--rdzv-conf", conf, "--", TRAIN, "--steps", "200", "--step-time", "0.05",
+              "--ckpt-dir", "{run_dir}", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]  # failing was the right outcome
     d = report(tmp_path)
     assert d["totals"]["exit_code"] == 1 and d["faults"][0]["outcome"] == "restart"

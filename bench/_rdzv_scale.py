@@ -372,7 +372,7 @@ def main(argv: list[str]) -> int:
         print("python -m bench rendezvous --scale: interrupted (everything it started has been stopped)",
               file=sys.stderr)
         return 130
-    text = markdown(result)
+    text = markdown(result, (__doc__ or "").split("\n", 2)[2].strip().replace("``", "`"))
     print(text, flush=True)
     if not args.quick:
         write_atomic(RESULTS_DIR / f"{NAME}.md", text)

@@ -18,11 +18,11 @@ def _f(x: float | None) -> str:
     return "—" if x is None else fmt(x)
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: dict[str, Any], intro: str = "") -> str:
+    """The kept report; ``intro`` is what the benchmark measures (bench/_rdzv_scale.py's docstring),
+    passed in so this module needs nothing from the runner that imports it."""
     m = result["machine"]
-    from . import _rdzv_scale as scale  # its docstring says what the benchmark measures
-
-    lines = [f"# {result.get('title', scale.TITLE)}", "", (scale.__doc__ or "").split("\n", 2)[2].strip().replace("``", "`"), "",
+    lines = [f"# {result.get('title', 'Rendezvous at scale')}", "", intro, "",
              "## Results", "",
              "| store | nodes | round formed (s) | first rank (s) | server CPU to form (s) | nodes' CPU to form (s) "
              "| steady store calls/s | calls/s per node | server CPU (% of a core) | nodes' CPU (cores) "

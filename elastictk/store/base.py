@@ -157,6 +157,60 @@ class Store(ABC):
         for key, value in items:
             self.set(key, value)
 
+    # -- optional: arrivals ordered by the store itself, under a lease (etcd) ---------------
+    #: Whether the store offers the primitives below. etcd does: there a joiner's arrival is a
+    #: key under its own lease, ordered by the revision that created it, so no shared counter
+    #: is raced and a dead node's keys vanish with its lease. The other stores join through a
+    #: counter and slots (one ``add``, one ``set``), which costs them no more.
+    ordered_arrivals: bool = False
+
+    def grant_lease(self, ttl: float) -> int:
+        """A lease living ``ttl`` seconds unless renewed (:meth:`keepalive`)."""
+        raise self._unsupported("grant_lease")
+
+    def keepalive(self, lease_id: int) -> float:
+        """Renew the lease; its TTL."""
+        raise self._unsupported("keepalive")
+
+    def revoke(self, lease_id: int) -> bool:
+        """End the lease now, deleting its keys; whether it still existed."""
+        raise self._unsupported("revoke")
+
+    def arrive(self, key: str, value: bytes, lease: int, *, unless: Sequence[str] = (),
+               claim: tuple[str, bytes] | None = None) -> tuple[bool, bool]:
+        """In one atomic step: unless a key of ``unless`` exists, create ``key`` (kept while
+        ``lease`` lives) and, if ``claim``'s key is absent, create it too (same lease).
+        ``(arrived, claimed)``; ``arrived`` is False when an ``unless`` key was there."""
+        raise self._unsupported("arrive")
+
+    def claim(self, key: str, value: bytes, lease: int) -> bool:
+        """Create ``key`` under ``lease`` unless it exists; whether this call created it."""
+        raise self._unsupported("claim")
+
+    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+        """Keys under ``prefix`` created after ``revision``, in creation order (names relative
+        to ``prefix``, with their values), and the revision to pass next time."""
+        raise self._unsupported("created_since")
+
+    def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
+        """Block until ``count`` keys under ``prefix`` were created after ``revision`` (False
+        past ``timeout``)."""
+        raise self._unsupported("wait_created")
+
+    def count(self, prefix: str) -> int:
+        """How many keys live under ``prefix`` (one request; their names are not sent)."""
+        raise self._unsupported("count")
+
+    def await_value(self, key: str, timeout: float,
+                    stop: Callable[[], bool] | None = None) -> bytes | None:
+        """``key``'s value as soon as it exists (one read, then one watch); None past
+        ``timeout`` or once ``stop()`` is true (looked at every half second)."""
+        raise self._unsupported("await_value")
+
+    def _unsupported(self, what: str) -> StoreError:
+        return StoreError(f"{self.describe()} has no {what}(): only a store with ordered_arrivals "
+                          "(etcd) offers it")
+
     def num_keys(self) -> int:
         return len(self.keys(""))
 

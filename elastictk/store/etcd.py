@@ -15,11 +15,10 @@ How the primitives map onto etcd:
   an absent key and an empty value, something a single etcd comparison cannot express).
 - ``wait``/``get`` read the keys once (one snapshot) and, if some are missing, watch them from
   the revision right after that read, so no write in between is missed and nothing polls.
-- Leases (``grant_lease``, ``set_with_lease``, ``keepalive``, ``revoke``) make keys die with
-  their owner: etcd deletes them when the owner stops renewing. They are etcd-only methods, not
-  part of the :class:`Store` ABC, because the other backends have no server-side expiry to
-  offer, and because a lease is an object with its own lifetime (one lease, many keys, revoked
-  at once) rather than a per-key TTL.
+- Leases and lease-ordered arrivals (:mod:`elastictk.store.etcd_leased`) make keys die with
+  their owner and let a round's joiners arrive without a shared counter. They are the optional
+  part of the :class:`Store` interface (``ordered_arrivals``): the other backends have no
+  server-side expiry or creation order to offer, and join through a counter at no more cost.
 
 TLS: ``https://`` endpoints, or an :class:`ssl.SSLContext` from :func:`tls_context` (the CA that
 signed etcd's certificate, and the client certificate and key when etcd runs with
@@ -28,8 +27,6 @@ signed etcd's certificate, and the client certificate and key when etcd runs wit
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
 import ssl
 import time
@@ -44,134 +41,18 @@ from .base import (
     StoreTimeout,
     StoreUnreachable,
 )
-from .endpoint import Endpoint, EndpointError, parse_endpoint
-from .etcd_http import GRPC_NOT_FOUND, JSON, EtcdApiError, EtcdTransport, b64, unb64
+from .endpoint import Endpoint, EndpointError
+from .etcd_endpoints import (  # noqa: F401 - re-exported: where callers import them from
+    ETCD_DEFAULT_PORT, SCHEMES, parse_endpoints, parse_endpoints_and_scheme, split_scheme, tls_context,
+)
+from .etcd_http import JSON, EtcdTransport, b64, unb64
+from .etcd_leased import LeasedOps, LeaseExpired, range_end  # noqa: F401 - LeaseExpired re-exported
 
-ETCD_DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _REWATCH_PAUSE = 0.05  # after a watch stream broke, before reading again (no tight loop)
 _COUNTER = re.compile(rb"-?[0-9]+")
 
 Values = dict[bytes, bytes]
-
-
-class LeaseExpired(StoreError):
-    """The lease is gone (expired or revoked); the keys attached to it were deleted."""
-
-
-SCHEMES = ("http", "https")
-
-
-def split_scheme(text: str) -> tuple[str | None, str]:
-    """``"https://h:1"`` -> ``("https", "h:1")``; no scheme -> ``(None, text)``."""
-    raw = text.strip()
-    scheme, sep, rest = raw.partition("://")
-    if not sep:
-        return None, raw
-    if scheme.lower() not in SCHEMES:
-        raise EndpointError(
-            f"invalid etcd endpoint {raw!r}: scheme {scheme!r} is not http or https; use "
-            "host:port, http://host:port or https://host:port"
-        )
-    return scheme.lower(), rest.rstrip("/")
-
-
-def parse_endpoints_and_scheme(
-    endpoints: str | Endpoint | Sequence[str | Endpoint],
-) -> tuple[list[Endpoint], str | None]:
-    """The endpoints and the one scheme they were written with (``None``: none written)."""
-    items = endpoints.split(",") if isinstance(endpoints, str) else (
-        [endpoints] if isinstance(endpoints, Endpoint) else list(endpoints)
-    )
-    out: list[Endpoint] = []
-    schemes: set[str] = set()
-    for e in items:
-        if isinstance(e, Endpoint):
-            out.append(e)
-            continue
-        scheme, rest = split_scheme(e)
-        if scheme is not None:
-            schemes.add(scheme)
-        out.append(parse_endpoint(rest, ETCD_DEFAULT_PORT))
-    if not out:
-        raise EndpointError("no etcd endpoint given; pass host:port (e.g. 127.0.0.1:2379)")
-    if len(schemes) > 1:
-        raise EndpointError(
-            "etcd endpoints mix http:// and https://; every member of one cluster is reached "
-            "the same way: write them all with the same scheme"
-        )
-    return out, (schemes.pop() if schemes else None)
-
-
-def parse_endpoints(endpoints: str | Endpoint | Sequence[str | Endpoint]) -> list[Endpoint]:
-    """``"h1:2379,h2:2379"`` or a list of them; a missing port means 2379 (``http://``/
-    ``https://`` allowed, see :func:`parse_endpoints_and_scheme`)."""
-    return parse_endpoints_and_scheme(endpoints)[0]
-
-
-def _readable(what: str, path: str | os.PathLike[str]) -> str:
-    """``path`` as text if it is a readable file, else a one-line :class:`StoreError`."""
-    text = os.fspath(path)
-    try:
-        with open(text, "rb") as f:
-            f.read(1)
-    except FileNotFoundError:
-        raise StoreError(f"{what} file {text} does not exist; give the path of a PEM file") from None
-    except IsADirectoryError:
-        raise StoreError(f"{what} file {text} is a directory; give the path of a PEM file") from None
-    except PermissionError:
-        raise StoreError(
-            f"{what} file {text} is not readable by this user; fix its permissions (chmod/chown)"
-        ) from None
-    except OSError as e:
-        raise StoreError(f"{what} file {text} cannot be read ({e.strerror or e})") from None
-    return text
-
-
-def tls_context(
-    cacert: str | os.PathLike[str] | None = None,
-    cert: str | os.PathLike[str] | None = None,
-    key: str | os.PathLike[str] | None = None,
-) -> ssl.SSLContext:
-    """A client context for etcd over TLS: verify etcd against ``cacert`` (the system CAs when
-    ``None``) and present ``cert``/``key`` (``key`` may be left out when ``cert`` holds it).
-
-    Every problem with the files is one :class:`StoreError` line naming the file and the fix.
-    """
-    if key is not None and cert is None:
-        raise StoreError("a client key was given without its certificate: set cert= too")
-    ca = _readable("cacert (CA certificate)", cacert) if cacert is not None else None
-    crt = _readable("cert (client certificate)", cert) if cert is not None else None
-    k = _readable("key (client private key)", key) if key is not None else None
-    try:
-        ctx = ssl.create_default_context(cafile=ca)
-    except (ssl.SSLError, ValueError) as e:
-        raise StoreError(
-            f"cacert file {ca} holds no usable CA certificate ({getattr(e, 'reason', None) or e}); "
-            "give the PEM certificate of the CA that signed etcd's certificate"
-        ) from None
-    setattr(ctx, "_elastictk_client_cert", crt)  # named when etcd refuses it (etcd_http.explain)
-    if crt is not None:
-        try:
-            ctx.load_cert_chain(crt, k)
-        except ssl.SSLError as e:
-            why = getattr(e, "reason", None) or str(e)
-            raise StoreError(
-                f"cannot use client certificate {crt} with key {k or crt} ({why}); give the PEM "
-                "certificate as cert= and its matching unencrypted private key as key="
-            ) from None
-    return ctx
-
-
-def range_end(prefix: bytes) -> bytes:
-    """The first key after all keys that start with ``prefix`` (etcd's prefix-range rule)."""
-    b = bytearray(prefix)
-    while b:
-        if b[-1] < 0xFF:
-            b[-1] += 1
-            return bytes(b)
-        b.pop()
-    return b"\0"  # with key b"\0": every key
 
 
 def _first_value(range_response: JSON) -> bytes | None:
@@ -185,7 +66,7 @@ def _value_and_revision(range_response: JSON) -> tuple[bytes | None, str]:
     return (unb64(kvs[0].get("value")), kvs[0]["mod_revision"]) if kvs else (None, "0")
 
 
-class EtcdStore(Store):
+class EtcdStore(LeasedOps, Store):
     """A client of an etcd v3 cluster; keys live under ``prefix`` (``"job1"`` -> ``job1/...``).
 
     ``tls`` (see :func:`tls_context`) or ``https://`` endpoints talk to etcd over TLS.
@@ -450,59 +331,6 @@ class EtcdStore(Store):
             unb64(kv.get("key"))[n:].decode("utf-8", "surrogateescape")
             for kv in r.get("kvs") or ()
         ]
-
-    # -- leases: keys that die with their owner ----------------------------------------------
-    def grant_lease(self, ttl: float) -> int:
-        """A new lease living ``ttl`` seconds (rounded up; etcd may raise it to its minimum).
-
-        The owner calls :meth:`keepalive` well within ``ttl`` (say every ``ttl / 3``) from
-        its heartbeat thread, on a :meth:`clone`; if the owner dies, etcd deletes every key
-        attached to the lease once ``ttl`` passes.
-        """
-        r = self._call("/v3/lease/grant", {"TTL": str(max(1, math.ceil(ttl)))})
-        if r.get("error"):
-            raise StoreError(f"etcd at {self.describe()} refused a lease: {r['error']}")
-        return int(r["ID"])
-
-    def set_with_lease(self, key: str, value: bytes, lease_id: int) -> None:
-        """``set`` whose key is deleted when the lease expires or is revoked."""
-        try:
-            self._call("/v3/kv/put", {
-                "key": b64(self._k(key)), "value": b64(value), "lease": str(lease_id),
-            })
-        except EtcdApiError as e:
-            if e.code == GRPC_NOT_FOUND:
-                raise self._lease_gone(lease_id) from None
-            raise
-
-    def keepalive(self, lease_id: int) -> float:
-        """Renew the lease; its TTL in seconds. :class:`LeaseExpired` if it is already gone."""
-        r = self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
-        if isinstance(r.get("error"), dict):  # an error inside the keepalive stream
-            message = r["error"].get("message") or r["error"]
-            raise StoreError(
-                f"keepalive of lease {lease_id:x} on {self.describe()} failed: {message}"
-            )
-        result = r.get("result", r)
-        if not isinstance(result, dict) or int(result.get("TTL", 0)) <= 0:
-            raise self._lease_gone(lease_id)
-        return float(result["TTL"])
-
-    def revoke(self, lease_id: int) -> bool:
-        """End the lease now, deleting its keys; whether it still existed."""
-        try:
-            self._call("/v3/lease/revoke", {"ID": str(lease_id)})
-        except EtcdApiError as e:
-            if e.code == GRPC_NOT_FOUND:
-                return False
-            raise
-        return True
-
-    def _lease_gone(self, lease_id: int) -> LeaseExpired:
-        return LeaseExpired(
-            f"lease {lease_id:x} on {self.describe()} expired or was revoked, so its keys are "
-            "gone; grant a new lease, re-create the keys and renew it more often than its TTL"
-        )
 
     # -- lifetime ------------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """A namespaced view of a store, so one server can hold many jobs and rendezvous rounds."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .base import Store
 
@@ -56,6 +56,40 @@ class PrefixStore(Store):
     def keys(self, prefix: str = "") -> list[str]:
         n = len(self.prefix)
         return [k[n:] for k in self.inner.keys(self._k(prefix))]
+
+    @property
+    def ordered_arrivals(self) -> bool:  # type: ignore[override]
+        return self.inner.ordered_arrivals
+
+    def grant_lease(self, ttl: float) -> int:
+        return self.inner.grant_lease(ttl)
+
+    def keepalive(self, lease_id: int) -> float:
+        return self.inner.keepalive(lease_id)
+
+    def revoke(self, lease_id: int) -> bool:
+        return self.inner.revoke(lease_id)
+
+    def arrive(self, key: str, value: bytes, lease: int, *, unless: Sequence[str] = (),
+               claim: tuple[str, bytes] | None = None) -> tuple[bool, bool]:
+        return self.inner.arrive(self._k(key), value, lease, unless=[self._k(k) for k in unless],
+                                 claim=None if claim is None else (self._k(claim[0]), claim[1]))
+
+    def claim(self, key: str, value: bytes, lease: int) -> bool:
+        return self.inner.claim(self._k(key), value, lease)
+
+    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+        return self.inner.created_since(self._k(prefix), revision)
+
+    def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
+        return self.inner.wait_created(self._k(prefix), revision, count, timeout)
+
+    def count(self, prefix: str) -> int:
+        return self.inner.count(self._k(prefix))
+
+    def await_value(self, key: str, timeout: float,
+                    stop: Callable[[], bool] | None = None) -> bytes | None:
+        return self.inner.await_value(self._k(key), timeout, stop)
 
     def clone(self) -> "PrefixStore":
         return PrefixStore(self.prefix, self.inner.clone(), owns=True)

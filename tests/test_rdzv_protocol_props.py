@@ -107,7 +107,7 @@ class ModelStore(Store):
             return [k for k in self._data if k.startswith(prefix)]
 
     def clone(self) -> "ModelStore":
-        return ModelStore(self._rng.randrange(2**32), self._jitter, shared=self, owner=self.owner + "+")
+        return type(self)(self._rng.randrange(2**32), self._jitter, shared=self, owner=self.owner + "+")
 
     def close(self) -> None:
         pass
@@ -116,18 +116,18 @@ class ModelStore(Store):
         return "model://"
 
 
-def _run(n: int, seed: int, jitter: float, kill_closer: bool) -> None:
+def _run(n: int, seed: int, jitter: float, kill_closer: bool, model: type[ModelStore] = ModelStore) -> None:
     cfg = RendezvousConfig("props", min_nodes=n, max_nodes=n, last_call=5.0, join_timeout=60,
                            heartbeat_interval=0.05, heartbeat_timeout=0.4, token="s3cret")
-    root = ModelStore(seed, jitter)
+    root = model(seed, jitter)
     handlers = []
     for i in range(n):
-        store = ModelStore(seed * 1000 + i, jitter, shared=root, owner=f"n{i}")
+        store = model(seed * 1000 + i, jitter, shared=root, owner=f"n{i}")
         handlers.append(RendezvousHandler(store, cfg, node_id=f"n{i}"))
     if kill_closer:  # the first arrival closes; it dies after its result, before the assignments
         victim = handlers[0]
 
-        def die(result: object) -> None:
+        def die(result: object, *_: object) -> None:
             victim.close(leaving=False)
             raise SystemExit("closer died between its result and the assignments")
         victim._publish = die  # type: ignore[method-assign, assignment]

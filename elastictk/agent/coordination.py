@@ -34,7 +34,7 @@ from ..rendezvous.auth import Signer
 from ..rendezvous.errors import RendezvousInterrupted, RendezvousStateError, RoundAbandoned
 from ..rendezvous.sealed import Records
 from ..store import Store, StoreClosed, StoreError, StoreTimeout, free_port
-from ..supervisor.env import NodeRanks, assign_ranks
+from .noderanks import node_ranges  # noqa: F401 - re-exported: the agent imports it from here
 from .address import is_ip
 from .outcome import DecisionAction
 from .policy import Failure, GiveUp, PolicyState, Restart, RestartPolicy
@@ -130,13 +130,6 @@ class Decision:
         if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < 1e9:
             raise ValueError(f"decision record: delay_s {str(delay)[:40]!r} is not seconds")
         return cls(DecisionAction(str(data["action"])), count, str(data["reason"])[:2000], float(delay))
-
-
-def node_ranges(info: RoundInfo, role: str, nproc: int) -> list[NodeRanks]:
-    """Every member's rank range, in group-rank order (torchrun's assignment), from the roles
-    and worker counts in the members' records (``role`` and ``nproc`` where one has none)."""
-    members = sorted(info.members, key=lambda m: m.rank)
-    return assign_ranks([(str(m.meta.get("role", role)), int(m.meta.get("nproc", nproc))) for m in members])
 
 
 def agree_master(info: RoundInfo, addr: str, timeout: float, records: Records | None = None,

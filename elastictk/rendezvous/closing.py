@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .auth import Signer
     from .config import RendezvousConfig
     from .liveness import LivenessTracker
+    from .lostlog import LostReader
 
 log = logging.getLogger("elastictk.rendezvous")
 _UNREAD = object()  # a record not read yet (None: read, and absent)
@@ -53,6 +54,7 @@ class RoundCloser:
         on_spare: Callable[[int, int], None] | None
         current: Any  # RoundInfo | None (handler.py, which imports this module)
         _sizes: dict[int, RoundSize]
+        _lost_log: LostReader
         _deadline: float
         _clock: Callable[[], float]
 
@@ -70,6 +72,10 @@ class RoundCloser:
         def _say_waiting(self, n: int, left: float) -> None: ...
         def _read_result(self, n: int) -> RoundResult | None: ...
         def _check_interrupted(self) -> None: ...
+        def _read_arrivals(self, n: int, cache: dict[int, Arrival | None]) -> int: ...
+        def _wait_arrivals(self, n: int, have: int, want: int, timeout: float) -> None: ...
+        def _left_out(self, n: int, members: set[str],
+                      cache: dict[int, Arrival | None]) -> list[tuple[str, bytes]]: ...
 
     def _size(self, n: int, raw: bytes | None | object = _UNREAD) -> RoundSize | None:
         """Round ``n``'s size record (it closed, with how many); None while it is open. Read
@@ -126,12 +132,16 @@ class RoundCloser:
             raw = self.store.try_get(result_key)
             result = self._decode_result(result_key, raw)
             if result is not None:
-                return self._publish(result)
+                return self._publish(result, records)
             now = self._clock()
             if not holding and reporter.due(now):
                 self._say_waiting(n, deadline - now)
-            count = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
-            arrivals = self._read_slots(n, records, 1, count)
+            if self.store.ordered_arrivals:  # etcd: arrivals in creation order, each read once
+                count = self._read_arrivals(n, records)
+                arrivals = [a for a in records.values() if a is not None]
+            else:
+                count = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
+                arrivals = self._read_slots(n, records, 1, count)
             watch = [a.node_id for a in arrivals]
             if previous is not None:
                 watch += [m.node_id for m in previous.members]
@@ -142,7 +152,7 @@ class RoundCloser:
                 mine = RoundResult(n, decision.members).to_json(self.signer, self._k(result_key))
                 won = self._decode_result(result_key, self.store.compare_set(result_key, raw, mine))
                 if won is not None:
-                    return self._publish(won)
+                    return self._publish(won, records)
                 continue  # someone replaced what we saw meanwhile: look again
             if isinstance(decision, Fail):
                 raise RendezvousTimeout(decision.reason)
@@ -151,7 +161,7 @@ class RoundCloser:
                 # last call, the wait for previous members) start when the hold ends.
                 opened_at, min_reached_at, holding = now, None, True
                 self._deadline = max(deadline, now + cfg.join_timeout)
-                self._wait_for([slot_key(n, decision.wake_seq)], self._slice, also=result_key)
+                self._wait_next(n, count, decision.wake_seq, self._slice, result_key)
                 continue
             assert isinstance(decision, Wait)
             min_reached_at = decision.min_reached_at
@@ -161,9 +171,17 @@ class RoundCloser:
             # the last node to come; wait for that slot first, then decide again.
             hole = next((s for s in range(1, count + 1) if s not in records), None)
             wake = decision.wake_seq if hole is None else hole
-            self._wait_for([slot_key(n, wake)], until - now, also=result_key)
+            self._wait_next(n, count, wake, until - now, result_key)
 
-    def _publish(self, result: RoundResult) -> Assignment | None:
+    def _wait_next(self, n: int, count: int, wake_seq: int, timeout: float, also: str) -> None:
+        """Wait until arrival ``wake_seq`` of round ``n`` came (``count`` are read), ``also``
+        (the result) exists, or ``timeout``."""
+        if not self.store.ordered_arrivals:
+            self._wait_for([slot_key(n, wake_seq)], timeout, also=also)
+        elif self._decode_result(also, self.store.try_get(also)) is None:
+            self._wait_arrivals(n, count, wake_seq, timeout)
+
+    def _publish(self, result: RoundResult, records: dict[int, Arrival | None] | None = None) -> Assignment | None:
         """Write every member's assignment and the round's size record (one bulk write), unless
         the size record says another closer did; this node's own assignment (None: not in it).
         A closer that died between its result and this is replaced by the next closer, which
@@ -178,6 +196,8 @@ class RoundCloser:
             size = RoundSize(n, len(result.members))
             items.append((size_key(n), size.to_json(self.signer, self._k(size_key(n)))))
             items.append(("latest", str(n + 1).encode()))  # the round joiners open next
+            if self.store.ordered_arrivals:  # arrivals left out are told so (they wait on their key)
+                items[:0] = self._left_out(n, set(everyone), {} if records is None else records)
             self.store.multi_set(items)
             self._sizes[n] = size
         return everyone.get(self.node_id)
@@ -232,8 +252,9 @@ class RoundCloser:
         return [a for a in (cache.get(s) for s in range(lo, hi + 1)) if a is not None]
 
     def _lost(self) -> set[str]:
-        keys = self.store.keys("lost/")
-        return {k[len("lost/"):] for k, raw in zip(keys, self.store.multi_get(keys)) if self.verified(k, raw)}
+        """Nodes marked lost: one read of the log's counter and only the entries added since
+        the last decision (:mod:`elastictk.rendezvous.lostlog`), never a listing of ``lost/``."""
+        return self._lost_log.read(self.store, self.verified)
 
     def _dead(self, node_ids: list[str], now: float, lost: set[str] | None = None) -> frozenset[str]:
         if not node_ids:

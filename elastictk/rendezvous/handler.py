@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from ..store import PrefixStore, Store, StoreTimeout
+from ..store import PrefixStore, Store, StoreError, StoreTimeout
 from ..store.base import Backoff
 from .auth import ALG, Signer
 from .closing import _UNREAD, RoundCloser, closed
@@ -30,6 +30,8 @@ from .decide import Arrival, round_to_join
 from .errors import (
     RendezvousAuthError, RendezvousInterrupted, RendezvousStateError, RendezvousTimeout,
 )
+from .leased import LeasedJoin, LeaseBox
+from .lostlog import LostReader, log_lost
 from .liveness import Heartbeat, LivenessTracker
 from .records import (
     Assignment,
@@ -38,6 +40,7 @@ from .records import (
     RoundResult,
     RoundSize,
     decode_note,
+    decode_ranks,
     decode_result,
     encode_note,
     round_key,
@@ -68,6 +71,9 @@ class RoundInfo:
     store: Store = field(repr=False, compare=False)
     master: dict[str, Any] = field(default_factory=dict, compare=False)
     ring: tuple[str, ...] = field(default=(), compare=False)
+    #: This node's worker ranks from its assignment (first global rank, global world, first
+    #: role rank, role world); None when the closer could not compute them.
+    ranks: tuple[int, int, int, int] | None = field(default=None, compare=False)
     load_members: Callable[[], tuple[Member, ...]] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
@@ -90,7 +96,7 @@ _ROUNDS_CAP = 2**53  # no job runs more rounds; a counter past it is garbage, cl
 # The longest a waiting node takes to notice ``interrupt()`` (each wait is sliced to it).
 INTERRUPT_LATENCY = 0.5
 
-class RendezvousHandler(RoundCloser):
+class RendezvousHandler(LeasedJoin, RoundCloser):
     """Joins membership rounds of one job over any :class:`Store`.
 
     ``store`` is the job's store (shared by every node); the handler keeps its keys under
@@ -114,6 +120,9 @@ class RendezvousHandler(RoundCloser):
         self._clock = clock
         self._interrupted = threading.Event()
         self._heartbeat: Heartbeat | None = None
+        self._lease: LeaseBox | None = None  # on a store with ordered arrivals (etcd)
+        self._arrival_cursor: dict[int, int] = {}
+        self._lost_log = LostReader()  # the closer's place in the log of lost nodes
         self.tracker = LivenessTracker(config.heartbeat_timeout)
         self.current: RoundInfo | None = None
         self.signer = Signer(config.token, config.job_id)  # bound to the run once admitted
@@ -225,15 +234,19 @@ class RendezvousHandler(RoundCloser):
                     f"within the join timeout of {cfg.join_timeout:g}s (all closed at --nnodes MAX?)"
                 )
             n = self._open_round(floor)
-            seq = self.store.add(round_key(n, "arrivals"), 1)
-            slot = slot_key(n, seq)
-            self.store.set(slot, NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot)))
-            self._say_if_spare(n)
-            mine = self._await(n, seq)
+            if self._lease is not None:  # etcd: one key under our lease, no counter
+                mine = self._join_leased(n)
+            else:
+                seq = self.store.add(round_key(n, "arrivals"), 1)
+                slot = slot_key(n, seq)
+                self.store.set(slot, NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot)))
+                self._say_if_spare(n)
+                mine = self._await(n, seq)
             if mine is not None:
                 self.current = RoundInfo(
                     n, mine.rank, mine.world, f"{self.prefix}/{round_key(n, 'job')}",
                     PrefixStore(round_key(n, "job"), self.store), mine.master, mine.ring,
+                    ranks=decode_ranks(mine.extra),
                     load_members=lambda n=n: self._members_of(n),  # type: ignore[misc]
                 )
                 return self.current
@@ -257,10 +270,13 @@ class RendezvousHandler(RoundCloser):
         keeps all that off the rendezvous' critical path. Idempotent; :meth:`close` stops it.
         """
         self._admit()  # once per process: off the join's critical path when called early
+        if self._lease is None and self.store.ordered_arrivals:
+            self._lease = LeaseBox(self.store, self.config.heartbeat_timeout)
         if self._heartbeat is None:
             # The left note is sealed when the node leaves: by then it knows the run's nonce.
             left = (lambda: self.note(f"left/{self.node_id}", node_id=self.node_id)) if self.signer.enabled else None
-            self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval, left_note=left)
+            self._heartbeat = Heartbeat(self.store, self.node_id, self.config.heartbeat_interval, left_note=left,
+                                        lease=self._lease)
 
     def _open_round(self, floor: int) -> int:
         """The round to join; never below ``floor`` (a round that already closed without us).
@@ -333,9 +349,15 @@ class RendezvousHandler(RoundCloser):
         """The waiting line for round ``n``: one read of its arrival counter (capped as every
         read of it is), logged at INFO."""
         cfg = self.config
-        joined = parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
+        joined = self._arrived(n)
         log.info("%s", waiting_line(n, joined, cfg.min_nodes, cfg.max_nodes, left, cfg.last_call,
                                     cfg.job_id))
+
+    def _arrived(self, n: int) -> int:
+        """How many nodes arrived for round ``n`` (one read; capped as every read of it is)."""
+        if self._lease is not None or self.store.ordered_arrivals:
+            return min(self.store.count(round_key(n, "a") + "/"), self.arrival_cap)
+        return parse_counter(self.store.try_get(round_key(n, "arrivals")), self.arrival_cap)
 
     @property
     def _slice(self) -> float:
@@ -356,7 +378,7 @@ class RendezvousHandler(RoundCloser):
     def num_nodes_waiting(self) -> int:
         """Nodes that have arrived for the round after ours: a reason to re-rendezvous."""
         n = self.current.round if self.current else max(self.store.add("latest", 0), 1) - 1  # latest: the open one
-        return parse_counter(self.store.try_get(round_key(n + 1, "arrivals")), self.config.max_nodes)
+        return min(self._arrived(n + 1), self.config.max_nodes)
 
     def mark_lost(self, node_id: str, reason: str) -> None:
         """Publish that ``node_id`` is gone, so the next round's closer need not wait for it."""
@@ -374,6 +396,8 @@ class RendezvousHandler(RoundCloser):
             if raw is not None and believed(key, raw):
                 return
             if store.compare_set(key, raw, mine) == mine:
+                if key.startswith("lost/"):  # the closers read the log, never list every note
+                    log_lost(store, key[len("lost/"):])
                 return
             pause.sleep()  # another writer won this try: let the racers spread out
 
@@ -390,6 +414,8 @@ class RendezvousHandler(RoundCloser):
                 key = round_key(n, "result")
                 self.claim_note(key, RoundResult(n, shutdown=reason).to_json(self.signer, self._k(key)),
                                 believed=self._result_believed)
+                if self.store.ordered_arrivals:  # nodes waiting there wait on their own key
+                    self._tell_shutdown(n, reason)
 
     def _result_believed(self, key: str, raw: bytes | None) -> bool:
         try:
@@ -402,6 +428,12 @@ class RendezvousHandler(RoundCloser):
         if self._heartbeat is not None:
             self._heartbeat.stop(leaving=leaving)
             self._heartbeat = None
+        lease, self._lease = self._lease, None
+        if lease is not None and leaving:  # our arrival keys go with it at once
+            try:
+                self.store.revoke(lease.id)
+            except StoreError:
+                pass
 
     def heartbeat_silence(self) -> float:
         """Seconds since this node's heartbeat last reached the store (0 when not beating)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..store import Store, StoreError
 from .records import hb_key
@@ -75,6 +75,14 @@ def read_counters(store: Store, node_ids: list[str],
     return out
 
 
+class Renewable(Protocol):
+    """A lease the heartbeat renews (:class:`~elastictk.rendezvous.leased.LeaseBox`)."""
+
+    ttl: float
+
+    def renew(self, store: Store) -> None: ...
+
+
 class Heartbeat:
     """A daemon thread that bumps this node's counter every ``interval`` seconds.
 
@@ -83,7 +91,7 @@ class Heartbeat:
     """
 
     def __init__(self, store: Store, node_id: str, interval: float,
-                 left_note: bytes | Callable[[], bytes] | None = None) -> None:
+                 left_note: bytes | Callable[[], bytes] | None = None, lease: Renewable | None = None) -> None:
         self._store = store.clone()
         self._key = hb_key(node_id)
         self._left = (f"left/{node_id}", left_note)  # written before the LEFT mark, when given
@@ -91,14 +99,22 @@ class Heartbeat:
         self._stop = threading.Event()
         self.last_error: StoreError | None = None
         self._store.add(self._key, 1)  # the first beat is synchronous: the key exists on return
+        # On etcd the node's lease (its arrival keys, its claim to close a round) is renewed
+        # every third of its TTL.
+        self._lease = lease
+        self._renew_every = max(1, int(lease.ttl / 3 / interval)) if lease is not None else 0
         self.last_ok = time.monotonic()  # when a beat last reached the store (local clock)
         self._thread = threading.Thread(target=self._run, name=f"elastictk-heartbeat-{node_id}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        beats = 0
         while not self._stop.wait(self._interval):
             try:
                 self._store.add(self._key, 1)
+                beats += 1
+                if self._lease is not None and beats % self._renew_every == 0:
+                    self._lease.renew(self._store)
                 self.last_ok = time.monotonic()
                 self.last_error = None
             except StoreError as e:

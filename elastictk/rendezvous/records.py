@@ -16,8 +16,12 @@ Layout (under the job's prefix)::
                             next round's closer and by nodes that ask for the member list)
     r/<n>/to/<node_id>      JSON Assignment: the node's rank, the world size, rank 0's meta and
                             its ring neighbours; written in bulk by the closer after the result
+                            (etcd: arrivals left out of the round get a note saying so)
     r/<n>/size              JSON RoundSize: the round closed with how many (and full or not);
                             written with the assignments, read by joiners instead of the result
+    r/<n>/a/<node_id>       (etcd) JSON NodeRecord under the node's lease, instead of the counter
+                            and slot: its create_revision orders the arrivals
+    r/<n>/closer            (etcd) the node that closes round n, created if absent under its lease
     r/<n>/job/...           free for the round's members (worker store, failure flags)
     hb/<node_id>            counter: the node's heartbeat
     left/<node_id>          JSON: the node left on purpose
@@ -44,6 +48,15 @@ def round_key(n: int, *parts: str) -> str:
 
 def slot_key(n: int, seq: int) -> str:
     return round_key(n, "slot", str(seq))
+
+
+def arrival_key(n: int, node_id: str) -> str:
+    """Where a node's arrival for round ``n`` lives on a store with ordered arrivals (etcd)."""
+    return round_key(n, "a", node_id)
+
+
+def closer_key(n: int) -> str:
+    return round_key(n, "closer")
 
 
 def to_key(n: int, node_id: str) -> str:
@@ -119,18 +132,56 @@ class Assignment:
                       "ring": list(self.ring), "extra": self.extra}, signer, key)
 
 
+def rank_ranges(members: "list[Member]") -> list[list[int]] | None:
+    """Each member's worker ranks, in group-rank order: ``[first global rank, global world,
+    first role rank, role world]`` from the ``role`` and ``nproc`` in its meta (torchrun's
+    assignment: cumulative sums of the local world sizes); None when a member's meta lacks
+    them (the reader then computes them from the member list with its own defaults)."""
+    nodes = []
+    for m in members:
+        role, nproc = m.meta.get("role"), m.meta.get("nproc")
+        if not (isinstance(role, str) and isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1):
+            return None
+        nodes.append((role, nproc))
+    total = sum(n for _, n in nodes)
+    role_total: dict[str, int] = {}
+    for role, n in nodes:
+        role_total[role] = role_total.get(role, 0) + n
+    out, base, role_base = [], 0, dict.fromkeys(role_total, 0)
+    for role, n in nodes:
+        out.append([base, total, role_base[role], role_total[role]])
+        base += n
+        role_base[role] += n
+    return out
+
+
 def assignments(result: "RoundResult", successors: int = 2) -> dict[str, Assignment]:
     """Every member's assignment in ``result``: a pure function of the member list. ``ring``
-    holds the next ``successors`` ranks' node ids (rank+1, rank+2, ...), never the node itself."""
+    holds the next ``successors`` ranks' node ids (rank+1, rank+2, ...), never the node itself;
+    ``extra["ranks"]`` the node's worker ranks (:func:`rank_ranges`), so no member needs the
+    member list to start its workers."""
     members = sorted(result.members, key=lambda m: m.rank)
     k = len(members)
     master = members[0].meta if members else {}
+    ranges = rank_ranges(members)
     out = {}
     for i, m in enumerate(members):
         ring = [members[(i + d) % k].node_id for d in range(1, successors + 1)]
         ring = [r for r in dict.fromkeys(ring) if r != m.node_id]
-        out[m.node_id] = Assignment(result.round, m.rank, k, master, tuple(ring))
+        extra = {} if ranges is None else {"ranks": ranges[i]}
+        out[m.node_id] = Assignment(result.round, m.rank, k, master, tuple(ring), extra)
     return out
+
+
+def decode_ranks(extra: dict[str, Any]) -> tuple[int, int, int, int] | None:
+    """The worker ranks a closer put in an assignment's ``extra`` (None: absent or malformed)."""
+    r = extra.get("ranks")
+    if not (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+        return None
+    base, world, role_base, role_world = r
+    if not (0 <= base < world and 0 <= role_base < role_world <= world):
+        return None
+    return base, world, role_base, role_world
 
 
 @dataclass(frozen=True)

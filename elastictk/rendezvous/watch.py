@@ -39,6 +39,7 @@ class MembershipWatch:
         self._on_change = on_change
         self.reason: str | None = None
         self.lost: list[str] = []
+        self._revision = 0  # on etcd: the next round's arrivals read up to this revision
         self._strangers: set[int] = set()  # slots of round+1 that never wake us (strangers, spares)
         # A full round is not re-formed for a newcomer: it waits as a spare (decide.held) until
         # a member is lost or leaves; only a member's own arrival for the next round wakes us.
@@ -146,6 +147,8 @@ class MembershipWatch:
         """One heartbeat interval of watching; True once it has signalled a change."""
         cfg = self._handler.config
         nxt = self.info.round + 1
+        if self._store.ordered_arrivals:
+            return self._poll_ordered(nxt)
         next_arrivals = round_key(nxt, "arrivals")
         try:
             self._store.wait([self._wait_key], cfg.heartbeat_interval)
@@ -164,6 +167,31 @@ class MembershipWatch:
                 self._signal(f"round {nxt} opened: {count} node(s) arrived")
                 return True
             self._wait_key = slot_key(nxt, first_unread)  # only strangers so far: wait for more
+        return self._ring_lost()
+
+    def _poll_ordered(self, nxt: int) -> bool:
+        """:meth:`_poll` on a store that orders arrivals (etcd): one watch on round ``nxt``'s
+        arrival keys from the revision read last, and only new arrivals are read."""
+        prefix = round_key(nxt, "a") + "/"
+        if self._store.wait_created(prefix, self._revision, 1, self._handler.config.heartbeat_interval):
+            if self._stop.is_set():
+                return True
+            if self._handler.verified("shutdown", self._store.try_get("shutdown")):
+                self._signal("the job was shut down")
+                return True
+            items, self._revision = self._store.created_since(prefix, self._revision)
+            for name, raw in items:
+                key = prefix + name
+                if not self._handler.signer.enabled and not self._full:
+                    self._signal(f"round {nxt} opened: node {name} arrived")
+                    return True
+                if self._handler.verified(key, raw) and self._wakes(key, raw):
+                    self._signal(f"round {nxt} opened: node {name} arrived")
+                    return True
+        return self._ring_lost()
+
+    def _ring_lost(self) -> bool:
+        """Read the ring successors' heartbeats once; True (and signalled) when one is lost."""
         now = time.monotonic()
         tracker = self._tracker
         for node_id, value in read_counters(self._store, list(self._watched), self._handler.left_check).items():
@@ -190,24 +218,24 @@ class MembershipWatch:
         for seq, raw in zip(seqs, self._store.multi_get([slot_key(n, s) for s in seqs])):
             if raw is None:
                 first_unread = min(first_unread, seq)
-            elif self._handler.verified(slot_key(n, seq), raw) and self._wakes(n, seq, raw):
+            elif self._handler.verified(slot_key(n, seq), raw) and self._wakes(slot_key(n, seq), raw):
                 return None
             else:
                 self._strangers.add(seq)
         return first_unread
 
-    def _wakes(self, n: int, seq: int, raw: bytes) -> bool:
+    def _wakes(self, key: str, raw: bytes) -> bool:
         """Whether a (verified) arrival re-forms the round: any, unless the round runs full;
         then only a member's (it left the running round: a failure, a restart, its exit)."""
         if not self._full:
             return True
         try:
-            node_id = decode_node(f"{self._handler.prefix}/{slot_key(n, seq)}", raw, self._handler.signer).node_id
+            node_id = decode_node(f"{self._handler.prefix}/{key}", raw, self._handler.signer).node_id
         except RendezvousError:
             return False  # garbage without a token: the next round's closer names it
         if node_id in self._members:  # the member list is read only here: a spare came to a full round
             return True
-        log.debug("node %s arrived for round %d as a spare: the running round is full", node_id, n)
+        log.debug("node %s arrived for the next round as a spare: the running round is full", node_id)
         return False
 
     @cached_property

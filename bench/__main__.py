@@ -52,9 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["soak"]:  # python -m bench soak [--quick] [--runs N] [--seed S] ...
         from . import soak
         return soak.main(argv[1:])
-    if argv[:1] == ["snapshot"] and any(a.startswith("--device") for a in argv[1:]):  # the CUDA path
-        from . import _snapshot_cuda
-        return _snapshot_cuda.main([x for a in argv[1:] for x in a.split("=", 1)])
+    if argv[:1] == ["snapshot"] and any(a.startswith("--device") for a in argv[1:]):
+        rest = [x for a in argv[1:] for x in a.split("=", 1)]
+        i = rest.index("--device")
+        if rest[i + 1:i + 2] == ["cpu"]:  # the default benchmark, asked for by name
+            argv = ["snapshot", *rest[:i], *rest[i + 2:]]
+        else:  # the CUDA path (or one line saying what --device takes)
+            from . import _snapshot_cuda
+            return _snapshot_cuda.main(rest)
     if argv[:1] == ["snapshot"] and any(a.startswith("--sizes") for a in argv[1:]):
         argv, keep = _snapshot_sizes(argv)
         if not keep:  # a subset: the kept report stays the whole run's

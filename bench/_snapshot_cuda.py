@@ -129,14 +129,10 @@ def main(argv: list[str]) -> int:
     """``argv``: what follows ``python -m bench snapshot``."""
     quick = "--quick" in argv
     rest = [a for a in argv if a != "--quick"]
-    if rest[:1] != ["--device"] or len(rest) != 2 or rest[1] not in ("cuda", "cpu"):
+    if rest[:1] != ["--device"] or len(rest) != 2 or rest[1] != "cuda":
         print(f"python -m bench snapshot: {' '.join(argv)}: use --device cuda (or --device cpu, the "
               "default benchmark)", file=sys.stderr)
         return 2
-    if rest[1] == "cpu":
-        from .__main__ import main as bench_main
-
-        return bench_main(["snapshot", *(["--quick"] if quick else [])])
     import torch
 
     if not torch.cuda.is_available():

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import psutil
 
@@ -183,6 +183,11 @@ class CountingStore(Store):
         if m is not None:
             m.waits += 1
             m.wakeups += int(got)
+        return got
+
+    def watch_created(self, prefix: str, revision: int) -> Any:
+        got = self.inner.watch_created(prefix, revision)
+        self._count("watch_created", _n([prefix]) + 8)  # its waits make no request: not counted
         return got
 
     def count(self, prefix: str) -> int:

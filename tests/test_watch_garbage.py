@@ -106,8 +106,8 @@ def test_a_store_briefly_unreachable_is_ridden_through_not_lost(
     h = hs[0]
     watch = MembershipWatch(h, info)
     store = watch._store
-    # etcd orders the next round's arrivals itself: the watch waits for one to be created
-    name = "wait_created" if store.ordered_arrivals else "wait"
+    # on etcd the watch holds one stream on the next round's arrivals: fail its heartbeat reads
+    name = "multi_get" if store.ordered_arrivals else "wait"
     real_wait = getattr(store, name)
     failures = {"left": 3}
 

@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 from ..store import StoreClosed, StoreError, StoreTimeout, StoreUnreachable
+from ..store.base import CreatedWatch
 from .errors import RendezvousError
 from .liveness import LivenessTracker, read_counters
 from .records import decode_node, round_key, slot_key
@@ -40,6 +41,7 @@ class MembershipWatch:
         self.reason: str | None = None
         self.lost: list[str] = []
         self._revision = 0  # on etcd: the next round's arrivals read up to this revision
+        self._creations: CreatedWatch | None = None  # on etcd: the stream on them
         self._strangers: set[int] = set()  # slots of round+1 that never wake us (strangers, spares)
         # A full round is not re-formed for a newcomer: it waits as a spare (decide.held) until
         # a member is lost or leaves; only a member's own arrival for the next round wakes us.
@@ -141,6 +143,8 @@ class MembershipWatch:
             self.store_error = StoreError(f"the membership watch failed: {e!r}")
             self._signal(str(self.store_error))
         finally:
+            if self._creations is not None:
+                self._creations.close()
             self._store.close()
 
     def _poll(self) -> bool:
@@ -173,7 +177,15 @@ class MembershipWatch:
         """:meth:`_poll` on a store that orders arrivals (etcd): one watch on round ``nxt``'s
         arrival keys from the revision read last, and only new arrivals are read."""
         prefix = round_key(nxt, "a") + "/"
-        if self._store.wait_created(prefix, self._revision, 1, self._handler.config.heartbeat_interval):
+        if self._creations is None:  # one stream for the whole round, not one per interval
+            self._creations = self._store.watch_created(prefix, self._revision)
+        try:
+            came = self._creations.wait(self._handler.config.heartbeat_interval)
+        except BaseException:
+            self._creations.close()
+            self._creations = None
+            raise
+        if came:
             if self._stop.is_set():
                 return True
             if self._handler.verified("shutdown", self._store.try_get("shutdown")):

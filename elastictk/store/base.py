@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 DEFAULT_TIMEOUT = 30.0
 _BACKOFF_FIRST, _BACKOFF_CAP = 0.001, 0.1  # seconds, after a lost compare-and-set race
@@ -72,6 +72,13 @@ class Backoff:
         left = deadline.remaining() if deadline is not None else None
         self._sleep(pause if left is None else min(pause, left))
         self._next = min(self._next * 2, _BACKOFF_CAP)
+
+
+class CreatedWatch(Protocol):
+    """What :meth:`Store.watch_created` returns (etcd: one open watch stream)."""
+
+    def wait(self, timeout: float) -> bool: ...
+    def close(self) -> None: ...
 
 
 class Store(ABC):
@@ -196,6 +203,11 @@ class Store(ABC):
         """Block until ``count`` keys under ``prefix`` were created after ``revision`` (False
         past ``timeout``)."""
         raise self._unsupported("wait_created")
+
+    def watch_created(self, prefix: str, revision: int) -> "CreatedWatch":
+        """A long-lived watch for creations under ``prefix`` after ``revision``: its
+        ``wait(timeout)`` says whether one came, without a request per ask."""
+        raise self._unsupported("watch_created")
 
     def count(self, prefix: str) -> int:
         """How many keys live under ``prefix`` (one request; their names are not sent)."""

@@ -159,6 +159,9 @@ class LeasedOps:
             last = max(last, int(kv.get("create_revision", 0)))
         return out, last
 
+    def watch_created(self, prefix: str, revision: int) -> "CreationWatch":
+        return CreationWatch(self, prefix, revision)
+
     def count(self, prefix: str) -> int:
         full = self._k(prefix)
         r = self._call("/v3/kv/range", {"key": b64(full), "range_end": b64(range_end(full)),
@@ -236,3 +239,51 @@ class LeasedOps:
                             return True
             finally:
                 stream.close()
+
+
+class CreationWatch:
+    """One long-lived watch stream on the keys under a prefix, for a thread that asks again and
+    again whether one was created (a membership watch, once per heartbeat interval): the
+    stream stays open between the asks, so the ask costs no request; it is opened again,
+    from the revision after the last event seen, only when it broke."""
+
+    def __init__(self, store: LeasedOps, prefix: str, revision: int) -> None:
+        self._store = store
+        self._full = store._k(prefix)
+        self._start = revision + 1
+        self._stream: Any = None
+
+    def wait(self, timeout: float) -> bool:
+        """Whether a key was created under the prefix (since the last True, or the revision
+        given) within ``timeout``."""
+        deadline = Deadline(timeout)
+        while True:
+            left = deadline.remaining() or 0.0
+            if left <= 0:
+                return False
+            if self._stream is None:
+                body = json.dumps({"create_request": {"key": b64(self._full), "range_end": b64(range_end(self._full)),
+                                                      "start_revision": str(self._start)}})
+                self._stream = self._store._t.stream("/v3/watch", body.encode(), timeout=max(left, 1.0))
+            stream = self._stream
+            if not stream.ready(min(left, STOP_EVERY)):
+                continue
+            try:
+                result = stream.next(max(left, 1.0))
+            except TimeoutError:
+                result = None
+            if result is None or result.get("canceled"):
+                self.close()
+                continue
+            created = False
+            for event in result.get("events") or ():
+                kv = event.get("kv") or {}
+                self._start = max(self._start, int(kv.get("mod_revision", 0)) + 1)
+                created = created or (event.get("type") != "DELETE" and kv.get("version") in ("1", 1))
+            if created:
+                return True
+
+    def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()

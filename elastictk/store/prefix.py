@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from .base import Store
+from .base import CreatedWatch, Store
 
 
 class PrefixStore(Store):
@@ -83,6 +83,9 @@ class PrefixStore(Store):
 
     def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
         return self.inner.wait_created(self._k(prefix), revision, count, timeout)
+
+    def watch_created(self, prefix: str, revision: int) -> CreatedWatch:
+        return self.inner.watch_created(self._k(prefix), revision)
 
     def count(self, prefix: str) -> int:
         return self.inner.count(self._k(prefix))

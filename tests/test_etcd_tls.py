@@ -277,7 +277,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "elastictk.run", "--rdzv-backend", "etcd", "--nnodes", "1",
          "--rdzv-id", f"tls-{uuid.uuid4().hex[:8]}", *args, str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,  # a hang guard: 120 s ran out under load
     )
 
 

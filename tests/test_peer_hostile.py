@@ -28,7 +28,7 @@ from elastictk.snapshot.local import Holder
 from elastictk.snapshot.peer import PeerClient, PeerServer
 from elastictk.snapshot.peertier import PeerTier
 from elastictk.snapshot.replicas import Key, Replicas
-from elastictk.snapshot.wire import WireError, parse, recv, send
+from elastictk.snapshot.wire import Late, WireError, parse, recv, send
 
 JOB = "hostile"
 TOKEN = b"hostile-token"
@@ -166,10 +166,18 @@ def test_authenticated_connections_past_the_cap_are_closed_at_once() -> None:
     s = PeerServer("127.0.0.1", Replicas(1 << 20), TOKEN, JOB, max_peers=2)
     clients = []
     try:
-        clients = [PeerClient("127.0.0.1", s.port, TOKEN, JOB, timeout=5) for _ in range(3)]
-        assert clients[0].index() == [] and clients[1].index() == []
-        with pytest.raises((WireError, OSError)):
-            clients[2].index()
+        clients = [PeerClient("127.0.0.1", s.port, TOKEN, JOB, timeout=30) for _ in range(3)]
+        # The server's threads finish their side of the handshakes in any order (a loaded host
+        # ran the third's first and closed the second): any one of the three is past the cap.
+        served = []
+        for c in clients:
+            try:
+                served.append(c.index() == [])
+            except Late:
+                raise  # closed at once, not left to the client's deadline
+            except (WireError, OSError):
+                served.append(False)
+        assert sorted(served) == [False, True, True], served
         assert s.connections() == (0, 2)
     finally:
         for c in clients:

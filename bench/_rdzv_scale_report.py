@@ -87,7 +87,8 @@ NOTES = [
     "(the write, then a check that makes it visible); a wait that times out is one call that "
     "held the server's waiter list for its length",
     "steady state is what an agent runs in a round: a heartbeat (add, every heartbeat "
-    "interval), the membership watch (a wait on the next round's arrivals, a get of it and a "
+    "interval; on etcd a keepalive of the node's lease every third of the heartbeat timeout, "
+    "its peers holding a watch stream on its key under that lease), the membership watch (a wait on the next round's arrivals, a get of it and a "
     "multi_get of two ring successors' heartbeats, every interval), the failure watch (a "
     "get and a wait on the round's 'failed' key, every second) and the straggler records of "
     "--straggler-action report (one set per node per 5 s window; the leader reads every "

@@ -171,8 +171,8 @@ class CountingStore(Store):
         self._count("claim", _n([key]) + len(value) + 8, 1)
         return got
 
-    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
-        got = self.inner.created_since(prefix, revision)
+    def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
+        got = self.inner.created_since(prefix, revision, limit) if limit > 0 else self.inner.created_since(prefix, revision)
         self._count("created_since", _n([prefix]) + 8, sum(len(k.encode()) + len(v) for k, v in got[0]) + 8)
         return got
 
@@ -202,6 +202,30 @@ class CountingStore(Store):
         if m is not None:
             m.waits += 1
             m.wakeups += int(got is not None)
+        return got
+
+    # -- etcd's liveness by lease: the node's key under its lease, watched by its peers ------
+    @property
+    def lease_liveness(self) -> bool:  # type: ignore[override]
+        return self.inner.lease_liveness
+
+    def set_with_lease(self, key: str, value: bytes, lease_id: int) -> None:
+        self.inner.set_with_lease(key, value, lease_id)
+        self._count("set_with_lease", _n([key]) + len(value) + 8)
+
+    def leased_get(self, keys: Sequence[str]) -> tuple[list[tuple[bytes | None, int]], int]:
+        got = self.inner.leased_get(keys)
+        self._count("leased_get", _n(keys), sum(len(v or b"") + 8 for v, _ in got[0]))
+        return got
+
+    def lease_ttl(self, lease_id: int) -> float:
+        got = self.inner.lease_ttl(lease_id)
+        self._count("lease_ttl", 8, 8)
+        return got
+
+    def watch_keys(self, keys: Sequence[str], revision: int) -> Any:
+        got = self.inner.watch_keys(keys, revision)
+        self._count("watch_keys", _n(keys) + 8)  # its asks make no request: not counted
         return got
 
     @property

@@ -20,7 +20,7 @@ import pytest
 
 from typing import Callable
 
-from bench._rdzv_scale import QUICK, choose_plan, verdicts
+from bench._rdzv_scale import QUICK, choose_plan, kept_up, verdicts
 from bench._rdzv_scale_join import SIZES as JOIN_SIZES
 from bench._rdzv_scale_join import join_verdicts, load_refusal, per_join, reform_within
 from bench._rdzv_scale_fit import MAX_EXPONENT, exponent, formed_within, linear_growth
@@ -75,6 +75,16 @@ def test_a_window_whose_nodes_lagged_is_left_out_of_the_fit() -> None:
     for c in cases[2:]:
         c["steady_calls_per_node_s"] = {"add": 0.5}  # half the heartbeats: the nodes set the pace
     assert [v.passed for v in verdicts(cases) if "TCPStore: store calls" in v.target] == [None]
+
+
+def test_etcd_nodes_keep_up_by_their_lease_renewals_not_counter_bumps() -> None:
+    """On etcd liveness is a lease renewed every third of the heartbeat timeout: no adds."""
+    case = {"backend": "etcd", "nodes": 64, "heartbeat_timeout": 10.0,
+            "steady_calls_per_node_s": {"keepalive": 1 / 3, "add": 0.0}}
+    assert kept_up(case, 1.0)
+    case["steady_calls_per_node_s"] = {"keepalive": 0.2}  # 60% of the renewals
+    assert not kept_up(case, 1.0)
+    assert not kept_up({"backend": "tcp", "steady_calls_per_node_s": {"keepalive": 1.0}}, 1.0)
 
 
 def _cost(calls: int, nbytes: int) -> dict[str, int]:
@@ -144,10 +154,16 @@ def test_quick_run(tmp_path: Path) -> None:
         per = c["steady_calls_per_node_s"]
         # at most one heartbeat per interval per node; fewer when a loaded host delays the beating
         # thread (etcd beside CPU hogs: 1.33/s against 2/s): a count, not a pace
-        assert 0 < per["add"] <= 1.25 / QUICK.heartbeat_interval, (backend, n, per)
-        # at most one successors' read per interval (no polling storm); fewer when a loaded
-        # host (or etcd's slower HTTP answers) stretches the watch's turns: a count, not a pace
-        assert 0 < per["multi_get"] <= 1.3 / QUICK.heartbeat_interval, (backend, n, per)
+        if backend == "etcd":  # liveness by lease: a keepalive per renewal, never a counter
+            renew = QUICK.heartbeat_interval * max(1, int(QUICK.heartbeat_timeout / 3 / QUICK.heartbeat_interval))
+            assert per.get("add", 0) == 0 and 0 < per["keepalive"] <= 1.25 / renew, (backend, n, per)
+            # the successors are watched (a stream each), not read every interval
+            assert per.get("leased_get", 0) < 0.1 / QUICK.heartbeat_interval, (backend, n, per)
+        else:
+            assert 0 < per["add"] <= 1.25 / QUICK.heartbeat_interval, (backend, n, per)
+            # at most one successors' read per interval (no polling storm); fewer when a loaded
+            # host stretches the watch's turns: a count, not a pace
+            assert 0 < per["multi_get"] <= 1.3 / QUICK.heartbeat_interval, (backend, n, per)
         # a silent node is lost no sooner than its timeout (less the beat it may have just sent)
         assert QUICK.heartbeat_timeout - QUICK.heartbeat_interval <= c["lost_noticed_s"] <= c["reformed_s"]
         assert c["reformed_s"] < QUICK.heartbeat_timeout + QUICK.reform_cap

@@ -119,11 +119,11 @@ class OrderedModelStore(ModelStore):
         return sorted((rev, k) for k, (rev, _) in self._meta["keys"].items()
                       if k.startswith(prefix) and rev > revision and k in self._data)
 
-    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+    def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
         self._pause()
         with self._cv:
             self._expire()
-            got = self._since(prefix, revision)
+            got = self._since(prefix, revision)[:limit or None]
             return ([(k[len(prefix):], self._data[k]) for _, k in got], max([revision] + [r for r, _ in got]))
 
     def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
@@ -181,8 +181,8 @@ def test_a_join_costs_three_calls_and_arrivals_are_read_once() -> None:
                 calls.setdefault(self.owner, []).append(name)
             return got
 
-        def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
-            got = super().created_since(prefix, revision)
+        def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
+            got = super().created_since(prefix, revision, limit)
             reads.extend(1 for _ in got[0])
             return got
 

@@ -51,7 +51,16 @@ def test_garbage_in_every_watched_key_kills_no_watch(connect_store: Callable[[],
             # Without a token: anything may be believed, but nothing dies silently: either
             # still watching, or it said why (a reason the agent acts on).
             assert all(t.is_alive() for t in threads) or watch.reason
-        if not watch.changed.is_set():
+        if not watch.changed.is_set() and raw.lease_liveness:
+            # On etcd b's liveness is its lease: garbage a stranger writes into its key is no
+            # loss (the lease lives), and b puts its key back under its lease.
+            raw.set("rdzv/garbage/hb/b", b"\x80 not a counter")
+            assert not watch.wait(2.0), watch.reason
+            deadline = time.monotonic() + 30
+            while raw.leased_get(["rdzv/garbage/hb/b"])[0][0][1] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert raw.leased_get(["rdzv/garbage/hb/b"])[0][0][1] != 0, "b never put its key back"
+        elif not watch.changed.is_set():
             # A heartbeat counter that is not a number: b reads as silent (lost after the
             # timeout, a reason the agent acts on), never a dead watch thread.
             raw.set("rdzv/garbage/hb/b", b"\x80 not a counter")
@@ -75,9 +84,9 @@ def test_an_unexpected_error_in_a_watch_is_logged_and_wakes_the_agent(
     def broken(*_a: object, **_k: object) -> None:
         raise ZeroDivisionError("a bug")
 
-    from elastictk.rendezvous.sealed import Records
+    from elastictk.rendezvous.sealed import Follower
 
-    monkeypatch.setattr(Records, "wait", broken)  # the failure watch's next wait raises
+    monkeypatch.setattr(Follower, "wait", broken)  # the failure watch's next wait raises
     coord = RoundCoordinator(h.store, info.store, "a", on_failure=lambda: None, signer=h.signer,
                              where=(h.prefix, info.store_prefix),
                              on_error=lambda e: (errors.append(e), woken.set()))
@@ -106,10 +115,16 @@ def test_a_store_briefly_unreachable_is_ridden_through_not_lost(
     h = hs[0]
     watch = MembershipWatch(h, info)
     store = watch._store
-    # on etcd the watch holds one stream on the next round's arrivals: fail its heartbeat reads
-    name = "multi_get" if store.ordered_arrivals else "wait"
-    real_wait = getattr(store, name)
+    # on etcd the watch holds streams (the next round's arrivals, the successors' leases) and
+    # makes no request while nothing happens: fail its per-interval look at the successors
     failures = {"left": 3}
+    if store.lease_liveness:
+        from elastictk.rendezvous.leasering import LeaseRing
+        target: Any = LeaseRing
+        name = "lost"
+    else:
+        target, name = store, "wait"
+    real_wait = getattr(target, name)
 
     def flaky_wait(*args: Any) -> Any:
         if failures["left"] > 0:
@@ -117,7 +132,7 @@ def test_a_store_briefly_unreachable_is_ridden_through_not_lost(
             raise StoreUnreachable("cannot reach etcd (a member is electing a leader)")
         return real_wait(*args)
 
-    monkeypatch.setattr(store, name, flaky_wait)
+    monkeypatch.setattr(target, name, flaky_wait)
     try:
         deadline = time.monotonic() + 10
         while failures["left"] > 0 and time.monotonic() < deadline:

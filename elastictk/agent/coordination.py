@@ -32,7 +32,7 @@ from .._safejson import Unreadable, loads_object
 from ..rendezvous import RoundInfo
 from ..rendezvous.auth import Signer
 from ..rendezvous.errors import RendezvousInterrupted, RendezvousStateError, RoundAbandoned
-from ..rendezvous.sealed import Records
+from ..rendezvous.sealed import Follower, Records
 from ..store import Store, StoreClosed, StoreError, StoreTimeout, free_port
 from .noderanks import node_ranges  # noqa: F401 - re-exported: the agent imports it from here
 from .address import is_ip
@@ -244,18 +244,19 @@ class RoundCoordinator:
         """Wake the agent when a failure note of this run appears. A value that does not
         verify is no failure and does not end the watch; anything unexpected is logged with
         its cause and wakes the agent (which treats it as a store it cannot use)."""
-        watch = self.records.view(self._watch_store, self._round_prefix)
+        watch = Follower(self.records.view(self._watch_store, self._round_prefix), "failed")
         failing_since: float | None = None
         try:
             while not self._stop.is_set():
                 try:
-                    note = watch.wait("failed", 1.0)
+                    note = watch.wait(1.0)
                     failing_since = None
                 except StoreClosed:
                     return
                 except StoreError as e:
                     # Briefly unavailable (an etcd election): keep watching; a store that is
                     # gone for good is reported by the heartbeat and the membership watch.
+                    watch.close()
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > 60:
                         raise
@@ -277,6 +278,7 @@ class RoundCoordinator:
             if not self._stop.is_set() and self._on_error is not None:
                 self._on_error(e)
         finally:
+            watch.close()
             self._watch_store.close()
 
     def stop(self, wait: bool = False) -> None:

@@ -12,13 +12,8 @@ dies, the next earliest takes over. The decisions live in :mod:`elastictk.rendez
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Callable
 
 from ..store import PrefixStore, Store, StoreError, StoreTimeout
@@ -49,46 +44,10 @@ from .records import (
     to_key,
 )
 from .sealed import Records, new_run_nonce, parse_counter
+from .roundinfo import RoundInfo, default_node_id  # noqa: F401 - re-exported: where callers import them
 from .waiting import WaitingReporter, waiting_line
 
 log = logging.getLogger("elastictk.rendezvous")
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """This node's place in a closed round.
-
-    A join reads only this node's own assignment (O(1) in the round's size): rank, world size,
-    rank 0's meta (``master``) and the ring successors whose heartbeats it watches. The member
-    list is read from the round's result on first use of :attr:`members` (once, then kept),
-    so only those that need every member's record pay for it.
-    """
-
-    round: int
-    rank: int
-    world_size: int
-    store_prefix: str
-    store: Store = field(repr=False, compare=False)
-    master: dict[str, Any] = field(default_factory=dict, compare=False)
-    ring: tuple[str, ...] = field(default=(), compare=False)
-    #: This node's worker ranks from its assignment (first global rank, global world, first
-    #: role rank, role world); None when the closer could not compute them.
-    ranks: tuple[int, int, int, int] | None = field(default=None, compare=False)
-    load_members: Callable[[], tuple[Member, ...]] | None = field(default=None, repr=False, compare=False)
-
-    @cached_property
-    def members(self) -> tuple[Member, ...]:
-        if self.load_members is None:
-            return ()
-        return self.load_members()
-
-    @property
-    def peers(self) -> tuple[Member, ...]:
-        return self.members
-
-
-def default_node_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 _ROUNDS_CAP = 2**53  # no job runs more rounds; a counter past it is garbage, clamped
@@ -439,6 +398,11 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
         """Seconds since this node's heartbeat last reached the store (0 when not beating)."""
         hb = self._heartbeat
         return 0.0 if hb is None else hb.silent_for()
+
+    def heartbeat_unscheduled(self) -> float:
+        """Seconds since the heartbeat thread last woke to beat (long on a CPU-starved host)."""
+        hb = self._heartbeat
+        return 0.0 if hb is None else hb.unscheduled_for()
 
     @property
     def heartbeat_error(self) -> str | None:

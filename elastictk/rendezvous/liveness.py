@@ -6,15 +6,19 @@ therefore judged like any other, and a clock jump cannot kill a healthy node.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from ..store import Store, StoreError
+from ..store.base import KeysWatch
 from .records import hb_key
 
 LEFT = -1  # the counter value a node sets when it leaves on purpose
+ALIVE = b"alive"  # on a store with lease liveness: the node's key, kept under its lease
+_TICK = itertools.count(1)  # a key seen under its lease reads as a counter that moved
 
 
 @dataclass
@@ -61,13 +65,27 @@ def read_counters(store: Store, node_ids: list[str],
     With a job token a counter set to ``LEFT`` counts as a departure only when the node's
     ``left/<node_id>`` note is signed (``left_is_signed``): anyone can write -1 into a counter.
     """
-    values = store.multi_get([hb_key(n) for n in node_ids])
+    keys = [hb_key(n) for n in node_ids]
+    # With lease liveness (etcd) a key present under a lease is a beat seen now: etcd deletes
+    # it when the lease ends. Absent, or rewritten without the lease (a stranger's set), it
+    # is silent; its owner puts it back under its lease within a heartbeat interval.
+    if store.lease_liveness:
+        got = store.leased_get(keys)[0]
+        values = [v for v, _ in got]
+        alive = [v is not None and bool(lease) for v, lease in got]
+    else:
+        values, alive = store.multi_get(keys), [False] * len(keys)
     out: dict[str, int | None] = {}
-    for node_id, raw in zip(node_ids, values):
+    for node_id, raw, live in zip(node_ids, values, alive):
+        if live:
+            out[node_id] = next(_TICK)
+            continue
         try:
             out[node_id] = None if raw is None else int(raw.decode("ascii").strip()[:32])
         except (UnicodeDecodeError, ValueError):
             out[node_id] = None  # not a counter: judged as absent (silent), never a crash
+        if store.lease_liveness and out[node_id] != LEFT:
+            out[node_id] = None  # a value without the lease is no beat
         if out[node_id] == LEFT and left_is_signed is not None:
             key = f"left/{node_id}"
             if not left_is_signed(key, store.try_get(key)):
@@ -79,13 +97,18 @@ class Renewable(Protocol):
     """A lease the heartbeat renews (:class:`~elastictk.rendezvous.leased.LeaseBox`)."""
 
     ttl: float
+    id: int
 
     def renew(self, store: Store) -> None: ...
 
 
 class Heartbeat:
-    """A daemon thread that bumps this node's counter every ``interval`` seconds.
+    """A daemon thread that keeps this node alive in the store every ``interval`` seconds.
 
+    On most stores it bumps the node's counter. On a store with lease liveness (etcd) it puts
+    the node's key under the node's lease once and then only renews the lease (a keepalive is
+    not a replicated write; 1,024 counter bumps a second are), putting the key back should
+    anyone delete it or rewrite it without the lease (one watch stream tells it so).
     It has its own store connection (a blocking call on the shared one would stall it) and
     remembers the last store error, so the agent can tell "the store is gone" from "a peer is".
     """
@@ -98,31 +121,73 @@ class Heartbeat:
         self._interval = interval
         self._stop = threading.Event()
         self.last_error: StoreError | None = None
-        self._store.add(self._key, 1)  # the first beat is synchronous: the key exists on return
-        # On etcd the node's lease (its arrival keys, its claim to close a round) is renewed
-        # every third of its TTL.
+        # On etcd the node's lease (its arrival keys, its claim to close a round, its key of
+        # liveness) is renewed every third of its TTL.
         self._lease = lease
         self._renew_every = max(1, int(lease.ttl / 3 / interval)) if lease is not None else 0
+        self._leased = lease is not None and self._store.lease_liveness
+        self._own: KeysWatch | None = None
+        if self._leased:  # the first beat is synchronous: the key exists on return
+            self._put_alive()
+        else:
+            self._store.add(self._key, 1)
         self.last_ok = time.monotonic()  # when a beat last reached the store (local clock)
+        self.last_try = self.last_ok  # when the thread last woke to beat (a starved host: long ago)
         self._thread = threading.Thread(target=self._run, name=f"elastictk-heartbeat-{node_id}", daemon=True)
         self._thread.start()
+
+    def _put_alive(self) -> None:
+        """The node's key under its current lease, and the watch that tells when it changes."""
+        assert self._lease is not None
+        self._store.set_with_lease(self._key, ALIVE, self._lease.id)
+        if self._own is None:
+            self._own = self._store.watch_keys([self._key], self._store.leased_get([self._key])[1])
 
     def _run(self) -> None:
         beats = 0
         while not self._stop.wait(self._interval):
+            self.last_try = time.monotonic()
             try:
-                self._store.add(self._key, 1)
+                if self._leased:
+                    self._beat_leased(beats)
+                else:
+                    self._store.add(self._key, 1)
+                    if self._lease is not None and (beats + 1) % self._renew_every == 0:
+                        self._lease.renew(self._store)
+                    self.last_ok = time.monotonic()
                 beats += 1
-                if self._lease is not None and beats % self._renew_every == 0:
-                    self._lease.renew(self._store)
-                self.last_ok = time.monotonic()
                 self.last_error = None
             except StoreError as e:
                 self.last_error = e
 
+    def _beat_leased(self, beats: int) -> None:
+        """Renew the lease when due (every beat after a failure); put the key back when the
+        lease was replaced or anyone touched the key (the watch says so, at no request)."""
+        assert self._lease is not None and self._own is not None
+        touched = bool(self._own.touched())
+        if self.last_error is not None or (beats + 1) % self._renew_every == 0:
+            before = self._lease.id
+            self._lease.renew(self._store)  # a lease that ran out is granted anew
+            self.last_ok = time.monotonic()
+            touched = touched or self._lease.id != before
+        if touched:
+            (value, lease), = self._store.leased_get([self._key])[0]
+            if value != ALIVE or lease != self._lease.id:
+                self._put_alive()
+
+    @property
+    def _period(self) -> float:
+        """How often a beat reaches the store: every interval, or every renewal of the lease."""
+        return self._interval * (self._renew_every if self._leased else 1)
+
     def silent_for(self) -> float:
-        """Seconds since a beat last reached the store, on this node's monotonic clock."""
+        """Seconds since a beat (on etcd: a keepalive) last reached the store, on this node's
+        monotonic clock."""
         return time.monotonic() - self.last_ok
+
+    def unscheduled_for(self) -> float:
+        """Seconds since the beating thread last woke: long when this host is CPU-starved."""
+        return time.monotonic() - self.last_try
 
     def stop(self, leaving: bool = False) -> None:
         """Stop beating; ``leaving`` marks the node as gone at once instead of after a timeout.
@@ -133,7 +198,7 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
-        cut_off = self.silent_for() > 2 * self._interval + 1
+        cut_off = self.silent_for() > 2 * self._period + 1
         self._thread.join(timeout=0 if cut_off else self._interval + 5)
         if leaving and not cut_off:
             try:
@@ -143,4 +208,6 @@ class Heartbeat:
                 self._store.set(self._key, str(LEFT).encode())
             except StoreError:
                 pass
+        if self._own is not None:
+            self._own.close()
         self._store.close()

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from .._safejson import Unreadable, loads_object
 from ..store import Store, StoreError, StoreTimeout
-from ..store.base import Backoff
+from ..store.base import Backoff, KeysWatch
 from .auth import MAC_FIELD, Signer
 from .errors import RendezvousStateError
 
@@ -192,3 +192,34 @@ class Records:
                     pass
             else:  # present but not believed: the store cannot wait for a change, so poll
                 time.sleep(min(left, poll))
+
+
+class Follower:
+    """:meth:`Records.wait` on one key, asked again and again (a failure watch asks each
+    second): on a store that keeps watch streams open (etcd) one stream serves every ask,
+    where each ``Store.wait`` would open a stream (a request) of its own."""
+
+    def __init__(self, records: Records, key: str) -> None:
+        self.records, self.key = records, key
+        self._keys: KeysWatch | None = None
+
+    def wait(self, timeout: float) -> dict[str, Any] | None:
+        store = self.records.store
+        if not store.lease_liveness:
+            return self.records.wait(self.key, timeout)
+        if self._keys is None:
+            got, revision = store.leased_get([self.key])
+            raw = got[0][0]
+            self._keys = store.watch_keys([self.key], revision)
+            record = self.records.open(self.key, raw)
+            if record is not None:
+                return record
+        if not self._keys.touched(timeout):
+            return None
+        return self.records.open(self.key, store.try_get(self.key))
+
+    def close(self) -> None:
+        """End the stream (after a store error too: the next ask opens a new one)."""
+        keys, self._keys = self._keys, None
+        if keys is not None:
+            keys.close()

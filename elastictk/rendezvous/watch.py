@@ -8,6 +8,7 @@ are still caught: the next round's closer checks every previous member.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from functools import cached_property
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 from ..store import StoreClosed, StoreError, StoreTimeout, StoreUnreachable
 from ..store.base import CreatedWatch
 from .errors import RendezvousError
+from .leasering import LeaseRing
 from .liveness import LivenessTracker, read_counters
 from .records import decode_node, round_key, slot_key
 from .sealed import parse_counter
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from .handler import RendezvousHandler, RoundInfo
 
 log = logging.getLogger("elastictk.rendezvous")
+ARRIVALS_PAGE = 8  # arrivals of the next round a watcher reads per request (etcd)
 
 
 class MembershipWatch:
@@ -42,6 +45,7 @@ class MembershipWatch:
         self.lost: list[str] = []
         self._revision = 0  # on etcd: the next round's arrivals read up to this revision
         self._creations: CreatedWatch | None = None  # on etcd: the stream on them
+        self._ring: LeaseRing | None = None  # on etcd: the successors' leases, watched
         self._strangers: set[int] = set()  # slots of round+1 that never wake us (strangers, spares)
         # A full round is not re-formed for a newcomer: it waits as a spare (decide.held) until
         # a member is lost or leaves; only a member's own arrival for the next round wakes us.
@@ -80,7 +84,15 @@ class MembershipWatch:
             silent = self._handler.heartbeat_silence()
             if silent >= cfg.heartbeat_timeout and not self.changed.is_set():
                 last = self._handler.heartbeat_error
-                why = f"the last attempt: {last}" if last else "check the network between this host and the store"
+                idle = self._handler.heartbeat_unscheduled()
+                if last:
+                    why = f"the last attempt: {last}"
+                elif idle >= cfg.heartbeat_interval + 1.0:
+                    why = (f"its heartbeat thread did not run for {idle:.1f}s: this host is overloaded "
+                           f"(load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores); raise "
+                           "--rdzv-conf heartbeat_timeout (default 10) above the stalls this host has")
+                else:
+                    why = "check the network between this host and the store"
                 self.store_error = StoreUnreachable(
                     f"node {self._handler.node_id}'s heartbeat has not reached the rendezvous store for "
                     f"{silent:.1f}s (heartbeat_timeout {cfg.heartbeat_timeout:g}s): its peers count it as "
@@ -145,6 +157,8 @@ class MembershipWatch:
         finally:
             if self._creations is not None:
                 self._creations.close()
+            if self._ring is not None:
+                self._ring.close()
             self._store.close()
 
     def _poll(self) -> bool:
@@ -191,32 +205,54 @@ class MembershipWatch:
             if self._handler.verified("shutdown", self._store.try_get("shutdown")):
                 self._signal("the job was shut down")
                 return True
-            items, self._revision = self._store.created_since(prefix, self._revision)
-            for name, raw in items:
-                key = prefix + name
-                if not self._handler.signer.enabled and not self._full:
-                    self._signal(f"round {nxt} opened: node {name} arrived")
-                    return True
-                if self._handler.verified(key, raw) and self._wakes(key, raw):
-                    self._signal(f"round {nxt} opened: node {name} arrived")
-                    return True
+            # A page at a time: when a whole job re-forms, every watcher wakes as the arrivals
+            # pour in, and one that read all of them would make N watchers read O(N) each.
+            while True:
+                items, self._revision = self._store.created_since(prefix, self._revision, limit=ARRIVALS_PAGE)
+                for name, raw in items:
+                    key = prefix + name
+                    if not self._handler.signer.enabled and not self._full:
+                        self._signal(f"round {nxt} opened: node {name} arrived")
+                        return True
+                    if self._handler.verified(key, raw) and self._wakes(key, raw):
+                        self._signal(f"round {nxt} opened: node {name} arrived")
+                        return True
+                if len(items) < ARRIVALS_PAGE:
+                    break
         return self._ring_lost()
 
     def _ring_lost(self) -> bool:
         """Read the ring successors' heartbeats once; True (and signalled) when one is lost."""
         now = time.monotonic()
+        if self._store.lease_liveness:
+            return self._ring_lost_leased(now)
         tracker = self._tracker
         for node_id, value in read_counters(self._store, list(self._watched), self._handler.left_check).items():
             tracker.observe(node_id, value, now)
             if tracker.is_dead(node_id, now):
                 silent = tracker.silent_for(node_id, now)
-                why = f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for {silent:.1f}s"
-                note = self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
-                self._handler.claim_note(f"lost/{node_id}", note, store=self._store)
-                self.lost.append(node_id)
-                self._signal(why)
+                self._lose(node_id, f"node {node_id} (rank {self._watched[node_id]}) lost: no heartbeat for "
+                                    f"{silent:.1f}s")
                 return True
         return False
+
+    def _ring_lost_leased(self, now: float) -> bool:
+        """:meth:`_ring_lost` by the successors' leases (:mod:`elastictk.rendezvous.leasering`):
+        no request while their keys are untouched."""
+        if self._ring is None:
+            self._ring = LeaseRing(self._store, list(self._watched), self._handler.config.heartbeat_timeout)
+        found = self._ring.lost(now, self._handler.left_check)
+        if found is None:
+            return False
+        node_id, what = found
+        self._lose(node_id, f"node {node_id} (rank {self._watched[node_id]}) lost: {what}")
+        return True
+
+    def _lose(self, node_id: str, why: str) -> None:
+        note = self._handler.note(f"lost/{node_id}", by=self._handler.node_id, reason=why)
+        self._handler.claim_note(f"lost/{node_id}", note, store=self._store)
+        self.lost.append(node_id)
+        self._signal(why)
 
     def _first_joiner(self, n: int, count: int) -> int | None:
         """None when a node of this job (its join record signed with the token) arrived for

@@ -81,6 +81,13 @@ class CreatedWatch(Protocol):
     def close(self) -> None: ...
 
 
+class KeysWatch(Protocol):
+    """What :meth:`Store.watch_keys` returns (etcd: one open watch stream per key)."""
+
+    def touched(self, timeout: float = 0.0) -> set[str]: ...
+    def close(self) -> None: ...
+
+
 class Store(ABC):
     """A key-value store with atomic counters, compare-and-set and blocking waits.
 
@@ -194,9 +201,10 @@ class Store(ABC):
         """Create ``key`` under ``lease`` unless it exists; whether this call created it."""
         raise self._unsupported("claim")
 
-    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+    def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
         """Keys under ``prefix`` created after ``revision``, in creation order (names relative
-        to ``prefix``, with their values), and the revision to pass next time."""
+        to ``prefix``, with their values; the first ``limit`` of them when given), and the
+        revision to pass next time."""
         raise self._unsupported("created_since")
 
     def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
@@ -218,6 +226,27 @@ class Store(ABC):
         """``key``'s value as soon as it exists (one read, then one watch); None past
         ``timeout`` or once ``stop()`` is true (looked at every half second)."""
         raise self._unsupported("await_value")
+
+    # -- optional: liveness by lease (etcd) -------------------------------------------------
+    #: Whether a node's liveness is its lease (a key it keeps under it) rather than a counter
+    #: it bumps: etcd's keepalive is not a replicated write, a counter bump is.
+    lease_liveness: bool = False
+
+    def set_with_lease(self, key: str, value: bytes, lease_id: int) -> None:
+        """``set`` whose key is deleted when the lease expires or is revoked."""
+        raise self._unsupported("set_with_lease")
+
+    def leased_get(self, keys: Sequence[str]) -> tuple[list[tuple[bytes | None, int]], int]:
+        """Each key's ``(value, lease)`` (lease 0: none; ``(None, 0)``: absent) and the revision."""
+        raise self._unsupported("leased_get")
+
+    def lease_ttl(self, lease_id: int) -> float:
+        """Seconds the lease has left; below 0 when it is gone."""
+        raise self._unsupported("lease_ttl")
+
+    def watch_keys(self, keys: Sequence[str], revision: int) -> "KeysWatch":
+        """Long-lived watches on ``keys`` from ``revision + 1``; ``touched()`` never blocks."""
+        raise self._unsupported("watch_keys")
 
     def _unsupported(self, what: str) -> StoreError:
         return StoreError(f"{self.describe()} has no {what}(): only a store with ordered_arrivals "

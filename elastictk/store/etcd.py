@@ -46,9 +46,9 @@ from .etcd_endpoints import (  # noqa: F401 - re-exported: where callers import 
     ETCD_DEFAULT_PORT, SCHEMES, parse_endpoints, parse_endpoints_and_scheme, split_scheme, tls_context,
 )
 from .etcd_http import JSON, EtcdTransport, b64, unb64
+from .etcd_alive import MAX_TXN_OPS, AliveOps  # noqa: F401 - MAX_TXN_OPS re-exported
 from .etcd_leased import LeasedOps, LeaseExpired, range_end  # noqa: F401 - LeaseExpired re-exported
 
-MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 _REWATCH_PAUSE = 0.05  # after a watch stream broke, before reading again (no tight loop)
 _COUNTER = re.compile(rb"-?[0-9]+")
 
@@ -66,7 +66,7 @@ def _value_and_revision(range_response: JSON) -> tuple[bytes | None, str]:
     return (unb64(kvs[0].get("value")), kvs[0]["mod_revision"]) if kvs else (None, "0")
 
 
-class EtcdStore(LeasedOps, Store):
+class EtcdStore(AliveOps, LeasedOps, Store):
     """A client of an etcd v3 cluster; keys live under ``prefix`` (``"job1"`` -> ``job1/...``).
 
     ``tls`` (see :func:`tls_context`) or ``https://`` endpoints talk to etcd over TLS.

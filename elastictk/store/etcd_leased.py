@@ -146,11 +146,12 @@ class LeasedOps:
         })
         return bool(r.get("succeeded"))
 
-    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+    def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
         full = self._k(prefix)
         r = self._call("/v3/kv/range", {
             "key": b64(full), "range_end": b64(range_end(full)), "sort_order": "ASCEND",
             "sort_target": "CREATE", "min_create_revision": str(revision + 1),
+            **({"limit": str(limit)} if limit > 0 else {}),
         })
         out, last = [], revision
         for kv in r.get("kvs") or ():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from .base import CreatedWatch, Store
+from .base import CreatedWatch, KeysWatch, Store
 
 
 class PrefixStore(Store):
@@ -78,7 +78,9 @@ class PrefixStore(Store):
     def claim(self, key: str, value: bytes, lease: int) -> bool:
         return self.inner.claim(self._k(key), value, lease)
 
-    def created_since(self, prefix: str, revision: int) -> tuple[list[tuple[str, bytes]], int]:
+    def created_since(self, prefix: str, revision: int, limit: int = 0) -> tuple[list[tuple[str, bytes]], int]:
+        if limit > 0:  # passed on only when asked for: a store of before the limit still serves
+            return self.inner.created_since(self._k(prefix), revision, limit)
         return self.inner.created_since(self._k(prefix), revision)
 
     def wait_created(self, prefix: str, revision: int, count: int, timeout: float) -> bool:
@@ -94,6 +96,22 @@ class PrefixStore(Store):
                     stop: Callable[[], bool] | None = None) -> bytes | None:
         return self.inner.await_value(self._k(key), timeout, stop)
 
+    @property
+    def lease_liveness(self) -> bool:  # type: ignore[override]
+        return self.inner.lease_liveness
+
+    def set_with_lease(self, key: str, value: bytes, lease_id: int) -> None:
+        self.inner.set_with_lease(self._k(key), value, lease_id)
+
+    def leased_get(self, keys: Sequence[str]) -> tuple[list[tuple[bytes | None, int]], int]:
+        return self.inner.leased_get([self._k(k) for k in keys])
+
+    def lease_ttl(self, lease_id: int) -> float:
+        return self.inner.lease_ttl(lease_id)
+
+    def watch_keys(self, keys: Sequence[str], revision: int) -> KeysWatch:
+        return _Unprefixed(self.inner.watch_keys([self._k(k) for k in keys], revision), len(self.prefix))
+
     def clone(self) -> "PrefixStore":
         return PrefixStore(self.prefix, self.inner.clone(), owns=True)
 
@@ -104,3 +122,16 @@ class PrefixStore(Store):
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (prefix {self.prefix!r})"
+
+
+class _Unprefixed:
+    """A :class:`KeysWatch` of the inner store that names keys as the view does."""
+
+    def __init__(self, inner: KeysWatch, n: int) -> None:
+        self._inner, self._n = inner, n
+
+    def touched(self, timeout: float = 0.0) -> set[str]:
+        return {k[self._n:] for k in self._inner.touched(timeout)}
+
+    def close(self) -> None:
+        self._inner.close()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .handler import RendezvousHandler, RoundInfo
 
 log = logging.getLogger("elastictk.rendezvous")
-ARRIVALS_PAGE = 8  # arrivals of the next round a watcher reads per request (etcd)
+ARRIVALS_PAGE = 8  # arrivals of the next round a watcher reads per request
 
 
 class MembershipWatch:
@@ -263,13 +263,17 @@ class MembershipWatch:
             return None
         seqs = [s for s in range(1, count + 1) if s not in self._strangers]
         first_unread = count + 1
-        for seq, raw in zip(seqs, self._store.multi_get([slot_key(n, s) for s in seqs])):
-            if raw is None:
-                first_unread = min(first_unread, seq)
-            elif self._handler.verified(slot_key(n, seq), raw) and self._wakes(slot_key(n, seq), raw):
-                return None
-            else:
-                self._strangers.add(seq)
+        # A page at a time: when a whole job re-forms, a watcher that wakes late would otherwise
+        # read every arrival so far (O(N) each, O(N^2) for the job) to find the first that wakes it.
+        for i in range(0, len(seqs), ARRIVALS_PAGE):
+            page = seqs[i:i + ARRIVALS_PAGE]
+            for seq, raw in zip(page, self._store.multi_get([slot_key(n, s) for s in page])):
+                if raw is None:
+                    first_unread = min(first_unread, seq)
+                elif self._handler.verified(slot_key(n, seq), raw) and self._wakes(slot_key(n, seq), raw):
+                    return None
+                else:
+                    self._strangers.add(seq)
         return first_unread
 
     def _wakes(self, key: str, raw: bytes) -> bool:

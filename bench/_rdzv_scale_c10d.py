@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import os
 import threading
 import time
@@ -32,6 +31,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import psutil
+
+from ._rdzv_scale_fleet import Workers
 
 PER_WORKER = 16
 MAX_WORKERS = 16  # past 256 nodes, more nodes to a worker rather than more processes
@@ -176,50 +177,13 @@ def _worker(conn: Connection, port: int, job: str, n: int, join_timeout: float, 
         os._exit(0)
 
 
-class _Fleet:
+class _Fleet(Workers):
     def __init__(self, port: int, job: str, n: int, join_timeout: float) -> None:
-        ctx = multiprocessing.get_context("fork")
-        k = min(MAX_WORKERS, max(1, math.ceil(n / PER_WORKER)))
-        self.pipes: list[Connection] = []
-        self.procs: list[Any] = []
-        for w in range(k):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(theirs, port, job, n, join_timeout, list(range(w, n, k))),
-                            daemon=True, name=f"elastictk-bench-c10d-{w}")
-            p.start()
-            theirs.close()
-            self.pipes.append(mine)
-            self.procs.append(p)
-
-    def ask(self, *cmd: Any, timeout: float = 600) -> list[Any]:
-        for c in self.pipes:
-            c.send(cmd)
-        out = []
-        for c, p in zip(self.pipes, self.procs):
-            if not c.poll(timeout):
-                raise TimeoutError(f"worker {p.name} did not answer {cmd[0]!r} within {timeout:g}s")
-            out.append(c.recv())
-        return out
+        super().__init__(_worker, lambda mine: (port, job, n, join_timeout, mine), n,
+                         min(MAX_WORKERS, max(1, math.ceil(n / PER_WORKER))), "elastictk-bench-c10d")
 
     def cpu(self) -> float:
         return float(sum(self.ask("cpu")))
-
-    def close(self) -> None:
-        for c in self.pipes:
-            try:
-                c.send(("close",))
-            except OSError:
-                pass
-        for c, p in zip(self.pipes, self.procs):
-            try:
-                c.poll(30) and c.recv()
-            except (OSError, EOFError):
-                pass
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            c.close()
 
 
 def check_round(reports: list[dict[str, Any]], n: int) -> str | None:

@@ -20,7 +20,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -118,26 +118,23 @@ def _worker(conn: Connection, backend: str, endpoint: str, cfg: RendezvousConfig
         os._exit(0)
 
 
-class Fleet:
-    """``n`` simulated nodes in ``ceil(n / PER_WORKER)`` forked workers."""
+class Workers:
+    """Forked worker processes, each holding every k-th of ``n`` simulated nodes, driven by
+    commands over pipes: what elastictk's fleet and the c10d fleet beside it share."""
 
-    def __init__(self, backend: str, endpoint: str, cfg: RendezvousConfig, n: int) -> None:
+    def __init__(self, target: Callable[..., None], args: Callable[[list[int]], tuple[Any, ...]],
+                 n: int, k: int, name: str) -> None:
         ctx = multiprocessing.get_context("fork")
-        k = max(1, math.ceil(n / PER_WORKER))
         self.pipes: list[Connection] = []
         self.procs: list[Any] = []
         for w in range(k):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(theirs, backend, endpoint, cfg, list(range(w, n, k))),
-                            daemon=True, name=f"elastictk-bench-scale-{w}")
+            p = ctx.Process(target=target, args=(theirs, *args(list(range(w, n, k)))),
+                            daemon=True, name=f"{name}-{w}")
             p.start()
             theirs.close()
             self.pipes.append(mine)
             self.procs.append(p)
-
-    @property
-    def pids(self) -> list[int]:
-        return [int(p.pid) for p in self.procs]
 
     def ask(self, *cmd: Any, timeout: float = 600) -> list[Any]:
         for c in self.pipes:
@@ -148,19 +145,6 @@ class Fleet:
                 raise TimeoutError(f"worker {p.name} did not answer {cmd[0]!r} within {timeout:g}s")
             out.append(c.recv())
         return out
-
-    def reports(self, deadline: float, dead: int = -1) -> list[NodeReport]:
-        # A worker answers once its deadline has passed; one whose threads are still busy
-        # (a thousand nodes on two cores) gets a minute more to be heard.
-        return [r for rs in self.ask("joined", deadline, dead, timeout=deadline - time.monotonic() + 90) for r in rs]
-
-    def tally(self) -> tuple[Counter[str], float]:
-        calls: Counter[str] = Counter()
-        cpu = 0.0
-        for c, s in self.ask("tally"):
-            calls += c
-            cpu += s
-        return calls, cpu
 
     def close(self) -> None:
         for c in self.pipes:
@@ -178,3 +162,28 @@ class Fleet:
                 p.kill()
                 p.join()
             c.close()
+
+
+class Fleet(Workers):
+    """``n`` simulated nodes in ``ceil(n / PER_WORKER)`` forked workers."""
+
+    def __init__(self, backend: str, endpoint: str, cfg: RendezvousConfig, n: int) -> None:
+        super().__init__(_worker, lambda mine: (backend, endpoint, cfg, mine), n,
+                         max(1, math.ceil(n / PER_WORKER)), "elastictk-bench-scale")
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.procs]
+
+    def reports(self, deadline: float, dead: int = -1) -> list[NodeReport]:
+        # A worker answers once its deadline has passed; one whose threads are still busy
+        # (a thousand nodes on two cores) gets a minute more to be heard.
+        return [r for rs in self.ask("joined", deadline, dead, timeout=deadline - time.monotonic() + 90) for r in rs]
+
+    def tally(self) -> tuple[Counter[str], float]:
+        calls: Counter[str] = Counter()
+        cpu = 0.0
+        for c, s in self.ask("tally"):
+            calls += c
+            cpu += s
+        return calls, cpu

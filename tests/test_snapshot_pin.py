@@ -37,6 +37,25 @@ def _part(step: int, size: int) -> bytes:
     return step.to_bytes(4, "little") * (size // 4)
 
 
+
+def _pair(tiers: list[PeerTier], holders: list[Holder]) -> Region:
+    """Nodes 0 and 1 in one round of two (node 1's parts replicate to node 0), and rank 0's
+    worker region on node 1."""
+    members = [Member(f"node{i}", i, {"addr": "127.0.0.1", **tiers[i].meta()}) for i in range(2)]
+    for i in range(2):
+        tiers[i].round(members, 2, f"node{i}", i, prefetch=False)
+    return Region(holders[1].path, 0, holders[1].region, holders[1].memory, 1,
+                  notify=tiers[1].env()[ENV_NOTIFY])
+
+
+def _close(worker: Region | None, tiers: list[PeerTier], holders: list[Holder]) -> None:
+    if worker is not None:
+        worker.close()
+    for t in tiers:
+        t.close()
+    for h in holders:
+        h.close()
+
 def test_a_pinned_slot_is_never_written_and_commits_go_to_the_other_one() -> None:
     with Holder(1, 1 << 20) as h:
         r = Region(h.path, 0, h.region, h.memory, 1)
@@ -104,11 +123,7 @@ def test_sends_slower_than_the_steps_deliver_whole_replicas_and_the_lag_is_said(
     tiers[1].lag.bound = 3
     worker = None
     try:
-        members = [Member(f"node{i}", i, {"addr": "127.0.0.1", **tiers[i].meta()}) for i in range(2)]
-        for i in range(2):
-            tiers[i].round(members, 2, f"node{i}", i, prefetch=False)
-        worker = Region(holders[1].path, 0, holders[1].region, holders[1].memory, 1,
-                        notify=tiers[1].env()[ENV_NOTIFY])
+        worker = _pair(tiers, holders)
         kept: list[int] = []
         step = 0
         caplog.set_level(logging.INFO, logger="elastictk.snapshot")
@@ -132,12 +147,7 @@ def test_sends_slower_than_the_steps_deliver_whole_replicas_and_the_lag_is_said(
         states = [worker.meta(i).state for i in (0, 1)]
         assert READY in states
     finally:
-        if worker is not None:
-            worker.close()
-        for t in tiers:
-            t.close()
-        for h in holders:
-            h.close()
+        _close(worker, tiers, holders)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("elastictk-replicator")]
 
 
@@ -161,11 +171,7 @@ def test_a_connection_the_receiver_closed_while_idle_is_made_anew_and_the_part_s
             time.sleep(0.01)
 
     try:
-        members = [Member(f"node{i}", i, {"addr": "127.0.0.1", **tiers[i].meta()}) for i in range(2)]
-        for i in range(2):
-            tiers[i].round(members, 2, f"node{i}", i, prefetch=False)
-        worker = Region(holders[1].path, 0, holders[1].region, holders[1].memory, 1,
-                        notify=tiers[1].env()[ENV_NOTIFY])
+        worker = _pair(tiers, holders)
         _commit(worker, 1, _part(1, 4096))
         wait(lambda: [k.step for k in tiers[0].replicas.index()] == [1], "step 1 never arrived")
         wait(lambda: tiers[0].server.connections()[1] == 0, "the idle connection was never closed")
@@ -174,12 +180,7 @@ def test_a_connection_the_receiver_closed_while_idle_is_made_anew_and_the_part_s
         assert "not replicated" not in caplog.text, caplog.text[-2000:]
         assert tiers[0].server.whole == 2 and tiers[0].server.torn == 0
     finally:
-        if worker is not None:
-            worker.close()
-        for t in tiers:
-            t.close()
-        for h in holders:
-            h.close()
+        _close(worker, tiers, holders)
 
 
 def test_a_round_resumed_at_a_late_step_lags_by_what_it_sealed_since_not_by_its_step_number(

@@ -32,6 +32,7 @@ from .._paths import open_append, write_file
 from ..faults import FaultPlan
 from ..faults.env import AUTO_OPTIMIZER, private_site, worker_env
 from ..lifetime.reaper import dies_with_caller
+from ..lifetime.sigflag import SignalFlag
 from ..metrics.events import read_events
 from .leaks import _listening, _shm, record_leaks
 from .outside import _inject_outside, late
@@ -42,7 +43,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_GRACE_S = 30.0  # after SIGTERM, how long the launcher gets to stop its workers
 FIRST_WORKERS_WAIT = 120.0  # no workers by then: time faults count from then (they find no target)
 
-_stop = threading.Event()
+_stop = SignalFlag()  # raised by a signal handler: a threading.Event there can deadlock
 _stopped_by: list[int] = []
 
 

@@ -12,10 +12,10 @@ dies, the next earliest takes over. The decisions live in :mod:`elastictk.rendez
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Callable
 
+from ..lifetime.sigflag import SignalFlag
 from ..store import PrefixStore, Store, StoreError, StoreTimeout
 from ..store.base import Backoff
 from .auth import ALG, Signer
@@ -77,7 +77,7 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
         self.prefix = f"rdzv/{config.job_id}"
         self.store = PrefixStore(self.prefix, store)
         self._clock = clock
-        self._interrupted = threading.Event()
+        self._interrupted = SignalFlag()  # raised from the agent's signal handler
         self._heartbeat: Heartbeat | None = None
         self._lease: LeaseBox | None = None  # on a store with ordered arrivals (etcd)
         self._arrival_cursor: dict[int, int] = {}
@@ -167,7 +167,7 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
     def interrupt(self) -> None:
         """Make a ``next_round`` in progress (or the next one) raise :class:`RendezvousInterrupted`
         within ``INTERRUPT_LATENCY``: a SIGTERM must not wait out the join timeout. Safe from a
-        signal handler (it sets an event)."""
+        signal handler (it raises a lock-free flag)."""
         self._interrupted.set()
 
     def _check_interrupted(self) -> None:

@@ -24,6 +24,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from ..lifetime.sigflag import SignalFlag
 from ..store import StoreError
 from ..store.etcd_leased import LeaseExpired
 from .closing import closed
@@ -80,7 +81,7 @@ class LeasedJoin:
         _lease: LeaseBox | None
         _arrival_cursor: dict[int, int]  # per round: the revision the closer has read up to
         _deadline: float
-        _interrupted: threading.Event
+        _interrupted: SignalFlag
         _clock: Callable[[], float]
 
         def _k(self, key: str) -> str: ...

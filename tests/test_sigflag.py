@@ -47,15 +47,19 @@ def _nested(kind: str, deadline: float) -> subprocess.CompletedProcess[str]:
     """The child's run; returncode None when it was still running at ``deadline`` (killed)."""
     proc = subprocess.Popen([sys.executable, "-c", NESTED, kind], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    first = proc.stdout.readline() if proc.stdout else ""  # "setting" (or EOF): timed from then on
+    # One reader of each pipe (communicate() reads the descriptor and would miss what readline()
+    # buffered): the first line, then the exit, then the rest; the output is a few lines.
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()  # "setting" (or EOF): the deadline counts from here
     try:
-        out, err = proc.communicate(timeout=deadline)
-        out = first + out
-        code: int | None = proc.returncode
+        code: int | None = proc.wait(timeout=deadline)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
-        out, code = first + out, None
+        proc.wait()
+        code = None
+    out, err = first + proc.stdout.read(), proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
     return subprocess.CompletedProcess(proc.args, code, out, err)  # type: ignore[arg-type]
 
 

@@ -33,7 +33,7 @@ from .address import local_address
 from .assign import round_assignment
 from .health import HealthWatch, hold_until_healthy
 from .coordination import Budget, RoundCoordinator
-from .ending import closed_elsewhere, exit_barrier, job_finished, signalled
+from .ending import closed_elsewhere, exit_barrier, host_leaves_last, job_finished, signalled
 from .excluded import ExclusionGate
 from .inplace import InPlaceRound, begin_round
 from .inplace_host import InPlaceHost, started_key
@@ -85,6 +85,7 @@ class ElasticAgent:
         self.group: WorkerGroup | None = None
         self.handler: RendezvousHandler | None = None
         self.current: RoundInfo | None = None
+        self._joined: RoundInfo | None = None  # the last round joined (its members read only if needed)
         self.watchdog: Watchdog | None = None
         self._lingering: list[MembershipWatch | RoundCoordinator] = []
         self.attempts = 0
@@ -129,7 +130,7 @@ class ElasticAgent:
         self._signals.install()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
-            return self._summarized(self._loop(addr))
+            return self._summarized(host_leaves_last(self.handler, cfg, self._joined, self._loop(addr)))
         except StoreError as e:
             # The store is gone (e.g. the host of a c10d store died): fail fast, never hang.
             self.group.stop()
@@ -235,6 +236,7 @@ class ElasticAgent:
         self._emit(EventKind.RENDEZVOUS_STARTED, node_id=self.handler.node_id)
         try:
             info = self.handler.next_round()
+            self._joined = info
             differs = None if info.rank == 0 else mismatch(self.handler.meta, rank0_meta(info))
             if differs is None:
                 return info

@@ -17,7 +17,7 @@ import signal
 from typing import Callable, Mapping
 
 from ..metrics.kinds import Emit, EventKind
-from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousHandler, RoundInfo
+from ..rendezvous import MembershipWatch, RendezvousClosed, RendezvousError, RendezvousHandler, RoundInfo
 from ..snapshot.settings import ENV_DIR
 from ..store import StoreError
 from ..supervisor.group import WorkerGroup
@@ -97,3 +97,22 @@ def signalled(group: WorkerGroup, sig: int, cfg: AgentConfig, emit: Emit, attemp
     group.stop(sig=sig)
     return AgentResult(ResultState.SIGNALLED, 128 + sig, f"agent received {name}; workers stopped",
                        attempts=attempts)
+
+
+def host_leaves_last(handler: RendezvousHandler | None, cfg: AgentConfig, info: RoundInfo | None,
+                     result: AgentResult) -> AgentResult:
+    """A failed job's store host waits (at most ``heartbeat_timeout + 5`` s) for the last
+    round's other nodes to leave before its store goes with it, so each ends with the job's
+    own line (a flag that differs between nodes, the decision to give up), not "store lost".
+    A job that finished departs through the exit barrier instead; a signalled agent leaves now."""
+    if handler is None or info is None or not cfg.hosts_store or result.state != ResultState.FAILED:
+        return result
+    try:
+        others = [m.node_id for m in info.members if m.node_id != handler.node_id]  # read once, here
+    except (StoreError, RendezvousError):
+        return result
+    if others:
+        still = handler.await_departures(others, cfg.rdzv.heartbeat_timeout + 5)
+        if still:
+            log.info("leaving the store with %d node(s) still beating: %s", len(still), ", ".join(still[:8]))
+    return result

@@ -5,15 +5,16 @@ handler runs on the main thread between two bytecodes of whatever that thread wa
 ``Event.wait``'s bookkeeping (the lock held) or inside the ``set()`` of a first handler, when a
 second SIGTERM follows the first. The handler then waits on a lock its own thread holds, and the
 process hangs for good (an ``elastictk-chaos`` run was seen hung this way, 11 minutes past its
-``timeout``). Raising this flag takes no lock; a waiter sleeps in ``select`` on the pipe.
+``timeout``). Raising this flag takes no lock; a waiter sleeps in poll(2) on the pipe.
 """
 from __future__ import annotations
 
 import os
-import select
 import time
 import weakref
 from typing import Optional
+
+from .ready import readable
 
 
 def _close(*fds: int) -> None:
@@ -59,11 +60,7 @@ class SignalFlag:
                 break
             if self._r < 0:
                 break  # closed: nothing will wake us through it
-            try:
-                ready, _, _ = select.select([self._r], [], [], left)
-            except (OSError, ValueError):
-                break
-            if ready:
+            if readable([self._r], left):  # poll(2): an agent's descriptors pass 1024
                 self._drain()
         return self._flag
 

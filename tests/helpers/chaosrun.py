@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 
-def chaos(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def chaos(tmp: Path, *args: str, timeout: float = 240,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "elastictk.chaos", "--report-dir", str(tmp / "r"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=timeout)
+                          cwd=tmp, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def report(tmp: Path) -> dict:

@@ -49,11 +49,17 @@ def _digest(ids: list[str]) -> str:
     return hashlib.sha1("\n".join(sorted(ids)).encode()).hexdigest()[:16]
 
 
-def _report(nd: Any) -> NodeReport:
+MEMBER_SAMPLE = 2  # nodes per worker whose member list is read back and compared
+
+
+def _report(nd: Any, members: bool) -> NodeReport:
+    """Where ``nd`` stands. ``members``: also read its round's member list (O(N) from the store,
+    as no node of the protocol does): a sample of nodes, asked after every worker's nodes have
+    joined, so reading it back loads no store a node still joins through."""
     i = nd.info
     return NodeReport(nd.index, nd.node_id, None if i is None else i.round, None if i is None else i.rank,
                       None if i is None else i.world_size,
-                      None if i is None else _digest([m.node_id for m in i.members]),
+                      None if i is None or not members else _digest([m.node_id for m in i.members]),
                       nd.joined_at, nd.noticed_at, None if nd.error is None else repr(nd.error)[:300],
                       nd.cost)
 
@@ -89,7 +95,10 @@ def _worker(conn: Connection, backend: str, endpoint: str, cfg: RendezvousConfig
             elif cmd == "joined":  # wait for the join (or re-form) threads; report every node
                 for t in threads:
                     t.join(max(0.0, args[0] - time.monotonic()))
-                conn.send([_report(nd) for nd in nodes if nd.index != args[1]])
+                conn.send([_report(nd, False) for nd in nodes if nd.index != args[1]])
+            elif cmd == "members":  # every worker answered "joined": a sample reads its member list
+                sample = [nd for nd in nodes if nd.index != args[0] and nd.info is not None][:MEMBER_SAMPLE]
+                conn.send([_report(nd, True) for nd in sample])
             elif cmd == "run":
                 with ThreadPoolExecutor(16) as pool:  # each opens two connections
                     list(pool.map(lambda nd: nd.run_round(), nodes))
@@ -178,7 +187,9 @@ class Fleet(Workers):
     def reports(self, deadline: float, dead: int = -1) -> list[NodeReport]:
         # A worker answers once its deadline has passed; one whose threads are still busy
         # (a thousand nodes on two cores) gets a minute more to be heard.
-        return [r for rs in self.ask("joined", deadline, dead, timeout=deadline - time.monotonic() + 90) for r in rs]
+        out = [r for rs in self.ask("joined", deadline, dead, timeout=deadline - time.monotonic() + 90) for r in rs]
+        read = {r.index: r for rs in self.ask("members", dead) for r in rs}
+        return [read.get(r.index, r) for r in out]
 
     def tally(self) -> tuple[Counter[str], float]:
         calls: Counter[str] = Counter()

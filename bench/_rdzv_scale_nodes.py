@@ -96,7 +96,7 @@ class SimNode:
         coord = RoundCoordinator(h.store, info.store, h.node_id, on_failure=_quiet, signer=h.signer,
                                  where=(h.prefix, info.store_prefix), budget=Budget(h.records))
         stragglers = StragglerWatch(_NoSteps(), {}, coord.records,  # type: ignore[arg-type]
-                                    node_id=h.node_id, members=[m.node_id for m in info.members],
+                                    node_id=h.node_id, members=[m.node_id for m in info.members] if info.rank == 0 else (),
                                     leader=info.rank == 0, interval=STRAGGLER_INTERVAL, threshold=1.5,
                                     windows=3, emit=_quiet)
         self._parts = [self.watch, coord, stragglers]

@@ -177,3 +177,21 @@ def test_quick_run(tmp_path: Path) -> None:
     assert {v["verdict"] for v in result["verdicts"] if "c10d" not in v["target"]} == {"UNKNOWN"}
     assert "| TCPStore | 8 | form |" in r.stdout
     assert "| TCPStore | 32 |" in r.stdout
+
+
+def test_a_round_is_judged_by_a_sample_of_member_lists_read_back() -> None:
+    """Every node's rank and round, and the member list a sample of nodes read back: a sample
+    that disagrees, or no sample at all, is no verdict."""
+    from bench._rdzv_scale import ScaleError, _check_round
+    from bench._rdzv_scale_fleet import NodeReport, _digest
+
+    ids = [f"sim{i:04d}" for i in range(4)]
+
+    def reports(members: dict[int, str]) -> list[NodeReport]:
+        return [NodeReport(i, n, 3, i, 4, members.get(i), 1.0, None, None) for i, n in enumerate(ids)]
+
+    good = _digest(ids)
+    assert _check_round(reports({0: good, 2: good}), 4, "x") == 3
+    for members in ({}, {0: good, 2: _digest(ids[:3])}):
+        with pytest.raises(ScaleError, match="disagree on the member list"):
+            _check_round(reports(members), 4, "x")

@@ -310,8 +310,9 @@ def watch_round(settings: StragglerSettings | None, block: WorkerStepsBlock | No
     ``--straggler-action exclude``."""
     if settings is None or not settings.on or block is None:
         return None
+    # The member list is O(nodes) to read: only the leader, which scores every member, reads it.
     return StragglerWatch(block, {i: base_rank + i for i in range(block.n_workers)}, records,
-                          node_id=node_id, members=[m.node_id for m in info.members],
+                          node_id=node_id, members=[m.node_id for m in info.members] if info.rank == 0 else (),
                           leader=info.rank == 0, interval=settings.interval,
                           threshold=settings.threshold, windows=settings.windows, emit=emit,
                           exclude=exclude if settings.action == "exclude" else None)

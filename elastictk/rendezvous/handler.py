@@ -170,6 +170,11 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
         signal handler (it raises a lock-free flag)."""
         self._interrupted.set()
 
+    def _member_of(self) -> int | None:
+        """The round this node ran in (its arrival says so: a running round's watchers re-form
+        on a member's return without reading the member list)."""
+        return self.current.round if self.current is not None else None
+
     def _check_interrupted(self) -> None:
         if self._interrupted.is_set():
             raise RendezvousInterrupted(f"node {self.node_id} stopped waiting for a round of job "
@@ -198,7 +203,8 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
             else:
                 seq = self.store.add(round_key(n, "arrivals"), 1)
                 slot = slot_key(n, seq)
-                self.store.set(slot, NodeRecord(self.node_id, self.meta).to_json(self.signer, self._k(slot)))
+                self.store.set(slot, NodeRecord(self.node_id, self.meta, self._member_of()).to_json(
+                    self.signer, self._k(slot)))
                 self._say_if_spare(n)
                 mine = self._await(n, seq)
             if mine is not None:

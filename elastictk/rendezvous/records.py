@@ -77,9 +77,17 @@ class NodeRecord:
 
     node_id: str
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The round this node ran in until it came (None: none, or not known). A running round's
+    #: watchers tell a member's return (re-form now) from a spare's arrival (wait) by this
+    #: field alone, where each read the round's whole member list: O(N) per watcher, O(N^2)
+    #: for a job whose every node re-forms at once.
+    member_of: int | None = None
 
     def to_json(self, signer: Signer = _OPEN, key: str = "") -> bytes:
-        return _dump({"node_id": self.node_id, "meta": self.meta}, signer, key)
+        body: dict[str, Any] = {"node_id": self.node_id, "meta": self.meta}
+        if self.member_of is not None:
+            body["member_of"] = self.member_of
+        return _dump(body, signer, key)
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,10 @@ def decode_node(key: str, raw: bytes, signer: Signer = _OPEN) -> NodeRecord:
         raise _bad(key, "node_id missing")
     if not isinstance(meta, dict):
         raise _bad(key, "meta is not an object")
-    return NodeRecord(node_id, meta)
+    member_of = data.get("member_of")
+    if member_of is not None and (type(member_of) is not int or not 0 < member_of < 2**53):
+        raise _bad(key, "member_of is not a round number")
+    return NodeRecord(node_id, meta, member_of)
 
 
 def decode_result(key: str, raw: bytes, signer: Signer = _OPEN) -> RoundResult:

@@ -282,10 +282,14 @@ class MembershipWatch:
         if not self._full:
             return True
         try:
-            node_id = decode_node(f"{self._handler.prefix}/{key}", raw, self._handler.signer).node_id
+            record = decode_node(f"{self._handler.prefix}/{key}", raw, self._handler.signer)
         except RendezvousError:
             return False  # garbage without a token: the next round's closer names it
-        if node_id in self._members:  # the member list is read only here: a spare came to a full round
+        node_id = record.node_id
+        if record.member_of is not None:  # it says which round it ran in (sealed with a token)
+            if record.member_of == self.info.round:
+                return True
+        elif node_id in self._members:  # read only here: an arrival that does not say (a restarted agent)
             return True
         log.debug("node %s arrived for the next round as a spare: the running round is full", node_id)
         return False

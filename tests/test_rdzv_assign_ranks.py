@@ -89,3 +89,44 @@ def test_the_closer_reads_only_new_entries_of_the_lost_log(tmp_path: object) -> 
     assert reader.read(store, verified) == {"a", "b", "c"}
     assert reads == ["lostlog/4", "lost/c"]
     store.close()
+
+
+def test_on_etcd_the_lost_log_is_one_key_per_node_and_no_counter(etcd_server: object) -> None:
+    """Hundreds of nodes marking neighbours lost at once raced one compare-and-set counter on
+    etcd; the log there is a key per lost node, ordered by its create revision: one write each,
+    no `add`, and a reader reads only what was created since its last read."""
+    import threading
+    import uuid
+
+    from elastictk.store import EtcdStore, PrefixStore
+
+    raw = EtcdStore(etcd_server.endpoint, prefix=f"/lostlog-{uuid.uuid4().hex}/", timeout=20)  # type: ignore[attr-defined]
+    store = PrefixStore("rdzv/j", raw)
+    calls: list[str] = []
+    for name in ("add", "compare_set", "set"):
+        real = getattr(raw, name)
+        setattr(raw, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    signer = Signer("tok", "job")
+    verified = lambda k, v: v is not None and v == encode_note(signer, k, by="x")  # noqa: E731
+    try:
+        nodes = [f"n{i}" for i in range(32)]
+        for n in nodes:
+            store.set(f"lost/{n}", encode_note(signer, f"lost/{n}", by="x"))
+        calls.clear()
+        threads = [threading.Thread(target=log_lost, args=(store, n)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert calls == ["set"] * 32, f"not one plain write per mark: {sorted(set(calls))} x {len(calls)}"
+        reader = LostReader()
+        assert reader.read(store, verified) == set(nodes)
+        store.set("lost/late", encode_note(signer, "lost/late", by="x"))
+        log_lost(store, "late")
+        got: list[list[str]] = []
+        multi_get = raw.multi_get
+        raw.multi_get = lambda keys: got.append(list(keys)) or multi_get(keys)  # type: ignore[method-assign, func-returns-value]
+        assert reader.read(store, verified) == set(nodes) | {"late"}
+        assert got == [["rdzv/j/lost/late"]], got  # only the new entry's note was read
+    finally:
+        raw.close()

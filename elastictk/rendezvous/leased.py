@@ -134,6 +134,7 @@ class LeasedJoin:
         mine = to_key(n, self.node_id)
         spare = self._spare_for(n) is not None
         reporter = WaitingReporter(opened_at)
+        lease_at = self._lease.id if self._lease is not None else 0
         while True:
             self._check_interrupted()
             left = self._deadline - self._clock()
@@ -152,7 +153,17 @@ class LeasedJoin:
                 raw = self.store.try_get(mine)  # written before the size record: here now
                 got = None if raw is None else self._told(n, mine, raw)
                 return None if got is False else got
-            if closer_raw is None and self._claim_closer(n):
+            if self._lease is not None and self._lease.id != lease_at:
+                # Our lease ran out while we waited (this host stalled past its TTL): etcd took
+                # our arrival with it, so no closer would count us. Arrive anew under the new one.
+                lease_at = self._lease.id
+                arrived, closer = self._arrive(n)
+                if not arrived:
+                    self._raise_if_shut_down()
+                    return None
+                if closer:
+                    return self._close(n, {}, opened_at)
+            elif closer_raw is None and self._claim_closer(n):
                 return self._close(n, {}, opened_at)
             now = self._clock()
             if spare:

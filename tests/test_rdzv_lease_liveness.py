@@ -14,9 +14,10 @@ from typing import Iterator
 
 import pytest
 
-from elastictk.rendezvous import MembershipWatch, RendezvousHandler, RendezvousInterrupted, RoundInfo
+from elastictk.rendezvous import MembershipWatch, RendezvousHandler, RoundInfo
 from elastictk.rendezvous.liveness import ALIVE
 from elastictk.store import EtcdStore
+from tests.helpers.rdzvjoin import end_joins, join_in_background
 from tests.test_rendezvous import fast, infos, join_all
 
 TOKEN = "lease-token"
@@ -110,23 +111,10 @@ def test_a_watch_reads_the_next_rounds_arrivals_a_page_at_a_time(etcd: tuple[str
         for i in range(2 * ARRIVALS_PAGE + 1):  # unsigned: never wakes the job
             raw.set(f"rdzv/page/r/2/a/mallory{i}", b'{"node_id": "mallory"}')
         assert not watch.wait(1.5), watch.reason
-        def join_c() -> None:
-            try:
-                hs["c"].next_round()
-            except RendezvousInterrupted:
-                pass  # stopped below, once the watch has seen c arrive
-        t = threading.Thread(target=join_c, daemon=True)
-        t.start()
+        t = join_in_background(hs["c"])  # stopped below, once the watch has seen c arrive
         assert watch.wait(30) and "node c arrived" in (watch.reason or ""), watch.reason
     finally:
-        if watch is not None:
-            watch.stop(wait=True)
-        for h in hs.values():
-            h.interrupt()
-        if t is not None:
-            t.join(30)
-        for h in hs.values():
-            h.close()
+        end_joins(hs.values(), [t], watch)
         raw.close()
 
 
@@ -143,8 +131,7 @@ def test_a_waiting_node_whose_lease_ran_out_arrives_again(etcd: tuple[str, str])
     threads: list[threading.Thread] = []
 
     def start(n: str) -> None:
-        t = threading.Thread(target=lambda: out.update({n: _join(hs[n])}), daemon=True)
-        t.start()
+        t = join_in_background(hs[n], out)
         threads.append(t)
         deadline = time.monotonic() + 60
         while raw.try_get(f"rdzv/again/r/1/a/{n}") is None:  # arrived, and waiting
@@ -156,25 +143,14 @@ def test_a_waiting_node_whose_lease_ran_out_arrives_again(etcd: tuple[str, str])
         lease = hs["a"]._lease
         assert lease is not None
         assert raw.revoke(lease.id)  # as if it ran out: etcd deletes a's arrival with it
-        threads.append(threading.Thread(target=lambda: out.update(b=_join(hs["b"])), daemon=True))
-        threads[-1].start()
+        threads.append(join_in_background(hs["b"], out))
         for t in threads:
             t.join(60)
         assert all(isinstance(out.get(n), RoundInfo) for n in "cab"), out
         assert sorted(out[n].rank for n in "cab") == [0, 1, 2]  # type: ignore[union-attr]
     finally:
+        end_joins(hs.values(), threads)
         for h in hs.values():
-            h.interrupt()
-        for t in threads:
-            t.join(30)
-        for h in hs.values():
-            h.close()
             h.store.close()
         raw.close()
 
-
-def _join(h: RendezvousHandler) -> object:
-    try:
-        return h.next_round()
-    except Exception as e:  # noqa: BLE001 - judged by the caller
-        return e

@@ -4,29 +4,18 @@ member list: at 1,024 nodes every watcher reading it when the whole job re-forms
 of the round's result, each O(N), while the job waits. On every store backend."""
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import pytest
 
-from elastictk.rendezvous import MembershipWatch, RendezvousHandler, RendezvousInterrupted
+from elastictk.rendezvous import MembershipWatch, RendezvousHandler
 from elastictk.rendezvous.errors import RendezvousStateError
 from elastictk.rendezvous.records import NodeRecord, decode_node
 from elastictk.store import Store
+from tests.helpers.rdzvjoin import end_joins, join_in_background
 from tests.test_rendezvous import connect, fast, infos, join_all, server  # noqa: F401 - fixtures
 
 TOKEN = "member-of-token"
-
-
-def _arrive(h: RendezvousHandler) -> threading.Thread:
-    def run() -> None:
-        try:
-            h.next_round()
-        except RendezvousInterrupted:
-            pass  # stopped once the watch has judged the arrival
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def _round(connect: Callable[[object], Store], job: str) -> tuple[list[RendezvousHandler], MembershipWatch]:  # noqa: F811
@@ -36,38 +25,28 @@ def _round(connect: Callable[[object], Store], job: str) -> tuple[list[Rendezvou
     return hs, MembershipWatch(hs[0], first["a"])
 
 
-def _end(hs: list[RendezvousHandler], watch: MembershipWatch, threads: list[threading.Thread]) -> None:
-    watch.stop(wait=True)
-    for h in hs:
-        h.interrupt()
-    for t in threads:
-        t.join(30)
-    for h in hs:
-        h.close()
-
-
 def test_a_members_return_wakes_the_watch_without_reading_the_member_list(
         connect: Callable[[object], Store]) -> None:  # noqa: F811
     hs, watch = _round(connect, "back")
     threads = []
     try:
         assert not watch.wait(1.0), watch.reason
-        threads.append(_arrive(hs[1]))  # b leaves the round and comes back for the next
+        threads.append(join_in_background(hs[1]))  # b leaves the round and comes back for the next
         assert watch.wait(60) and "round 2 opened" in (watch.reason or ""), watch.reason
         assert "_members" not in watch.__dict__, "the watch read the round's member list"
     finally:
-        _end(hs, watch, threads)
+        end_joins(hs, threads, watch)
 
 
 def test_a_spare_in_a_full_round_wakes_nobody(connect: Callable[[object], Store]) -> None:  # noqa: F811
     hs, watch = _round(connect, "spare")
     threads = []
     try:
-        threads.append(_arrive(hs[2]))  # never in a round: its arrival does not say one
+        threads.append(join_in_background(hs[2]))  # never in a round: its arrival does not say one
         assert not watch.wait(2.0), watch.reason
         assert "_members" in watch.__dict__  # it said nothing: judged by the member list
     finally:
-        _end(hs, watch, threads)
+        end_joins(hs, threads, watch)
 
 
 @pytest.mark.parametrize("value", ["1", True, 0, -3, 1.5, 2**60, [1], {"r": 1}])

@@ -3,14 +3,14 @@
 far in one request (O(N) each, O(N^2) for the job) to find the first that wakes it."""
 from __future__ import annotations
 
-import threading
 from typing import Any, Iterator
 
 import pytest
 
-from elastictk.rendezvous import MembershipWatch, RendezvousHandler, RendezvousInterrupted
+from elastictk.rendezvous import MembershipWatch, RendezvousHandler
 from elastictk.rendezvous.watch import ARRIVALS_PAGE
 from elastictk.store import TCPStore
+from tests.helpers.rdzvjoin import end_joins, join_in_background
 from tests.test_rendezvous import fast, infos, join_all
 
 TOKEN = "page-token"
@@ -54,23 +54,10 @@ def test_a_watch_reads_a_burst_of_arrivals_a_page_at_a_time(server: TCPStore) ->
         watch = MembershipWatch(hs["a"], first["a"])
         assert not watch.wait(1.5), watch.reason
 
-        def join_b() -> None:
-            try:
-                hs["b"].next_round()
-            except RendezvousInterrupted:
-                pass  # stopped below, once the watch has seen b arrive
-        t = threading.Thread(target=join_b, daemon=True)
-        t.start()
+        t = join_in_background(hs["b"])  # stopped below, once the watch has seen b arrive
         assert watch.wait(30) and "round 2 opened" in (watch.reason or ""), watch.reason
         assert sum(sizes) >= burst, f"the burst was read: {sizes}"
         assert max(sizes) <= ARRIVALS_PAGE, f"one request read {max(sizes)} arrivals: {sizes}"
     finally:
-        if watch is not None:
-            watch.stop(wait=True)
-        for h in hs.values():
-            h.interrupt()
-        if t is not None:
-            t.join(30)
-        for h in hs.values():
-            h.close()
+        end_joins(hs.values(), [t], watch)
         raw.close()

@@ -27,7 +27,7 @@ from .errors import (
 )
 from .leased import LeasedJoin, LeaseBox
 from .lostlog import LostReader, log_lost
-from .liveness import Heartbeat, LivenessTracker, read_counters
+from .liveness import Heartbeat, LivenessTracker, await_departures
 from .records import (
     Assignment,
     Member,
@@ -383,27 +383,15 @@ class RendezvousHandler(LeasedJoin, RoundCloser):
                     self._tell_shutdown(n, reason)
 
     def await_departures(self, node_ids: list[str], timeout: float) -> list[str]:
-        """Until every node of ``node_ids`` has left (its heartbeat says so) or fallen silent
-        for ``heartbeat_timeout``, at most ``timeout`` seconds; returns those still beating.
+        """Until every node of ``node_ids`` has left or fallen silent for ``heartbeat_timeout``,
+        at most ``timeout`` seconds (an interrupt ends it); returns those still beating.
 
         The node hosting a c10d store takes the store with it when it exits: after it closed
         the job (a flag that differs between nodes, its workers out of restarts), a peer that
         has not yet read why would find the store gone and end with "store lost" instead of
         the job's own line. So the host waits for them to leave first."""
-        tracker = LivenessTracker(self.config.heartbeat_timeout)
-        deadline = time.monotonic() + timeout
-        left = list(node_ids)
-        while left:
-            now = time.monotonic()
-            try:
-                for node_id, value in read_counters(self.store, left, self.left_check).items():
-                    tracker.observe(node_id, value, now)
-            except StoreError:
-                return left
-            left = [n for n in left if not tracker.is_dead(n, now)]
-            if not left or self._interrupted.wait(min(0.2, max(0.0, deadline - now))) or now >= deadline:
-                break
-        return left
+        return await_departures(self.store, node_ids, timeout, self.config.heartbeat_timeout,
+                                self.left_check, self._interrupted.wait)
 
     def _result_believed(self, key: str, raw: bytes | None) -> bool:
         try:

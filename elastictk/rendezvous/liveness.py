@@ -93,6 +93,28 @@ def read_counters(store: Store, node_ids: list[str],
     return out
 
 
+def await_departures(store: Store, node_ids: list[str], timeout: float, heartbeat_timeout: float,
+                     left_is_signed: Callable[[str, bytes | None], bool] | None,
+                     pause: Callable[[float], bool]) -> list[str]:
+    """Until every node of ``node_ids`` has left (its heartbeat says so) or fallen silent for
+    ``heartbeat_timeout``, at most ``timeout`` seconds; returns those still beating. ``pause``
+    waits between looks and returns True to stop waiting (an interrupt)."""
+    tracker = LivenessTracker(heartbeat_timeout)
+    deadline = time.monotonic() + timeout
+    left = list(node_ids)
+    while left:
+        now = time.monotonic()
+        try:
+            for node_id, value in read_counters(store, left, left_is_signed).items():
+                tracker.observe(node_id, value, now)
+        except StoreError:
+            return left
+        left = [n for n in left if not tracker.is_dead(n, now)]
+        if not left or pause(min(0.2, max(0.0, deadline - now))) or now >= deadline:
+            break
+    return left
+
+
 class Renewable(Protocol):
     """A lease the heartbeat renews (:class:`~elastictk.rendezvous.leased.LeaseBox`)."""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastictk.rendezvous import MembershipWatch, RendezvousHandler
 from elastictk.rendezvous.errors import RendezvousStateError
@@ -63,3 +65,24 @@ def test_member_of_round_trips_and_is_absent_when_unknown() -> None:
     assert decode_node("k", NodeRecord("n", {}, 7).to_json()).member_of == 7
     raw = NodeRecord("n", {"x": 1}).to_json()
     assert b"member_of" not in raw and decode_node("k", raw).member_of is None
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+                     max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_JSON | st.integers(min_value=-2**80, max_value=2**80))
+def test_any_member_of_is_a_round_number_or_the_one_line_refusal(value: object) -> None:
+    """What a stranger (without a token) may put there: nested, huge, wrong types."""
+    import json
+
+    body = json.loads(NodeRecord("n", {}).to_json())
+    raw = json.dumps({**body, "member_of": value}).encode()
+    try:
+        got = decode_node("rdzv/j/r/2/a/n", raw).member_of
+    except RendezvousStateError as e:
+        assert "rdzv/j/r/2/a/n" in str(e) and "\n" not in str(e)  # one line naming the key
+    else:
+        assert got is None or (type(got) is int and 0 < got < 2**53), got

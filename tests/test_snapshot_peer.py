@@ -242,7 +242,8 @@ def test_sealed_slots_ship_to_the_ring_neighbour_and_a_replacement_fetches_them(
         members = [members[0], FakeMember("node2", 1, {"addr": "127.0.0.1", **tiers[2].meta()})]
         tiers[0].round(members, 2, "node0", 0, prefetch=True)
         tiers[2].round(members, 2, "node2", 1, prefetch=True)
-        mine = Region(holders[2].path, 0, holders[2].region, holders[2].memory, 1)
+        mine = Region(holders[2].path, 0, holders[2].region, holders[2].memory, 1,
+                      notify=tiers[2].env()[ENV_NOTIFY])
         ready = mine.ready(1, 2)
         assert [m.step for m in ready] == [3], "the newest step, fetched from the neighbour"
         for m in ready:
@@ -278,21 +279,30 @@ PORT = 29400
 CONF = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=2,join_timeout=60"
 
 
-def _reference() -> list[Any]:
-    """The fault-free weights, computed here: the job's math with its two equal gradients summed."""
+def _reference(steps: int = STEPS) -> list[Any]:
+    """The fault-free weights, computed here: the job's math with its two equal gradients summed;
+    then each rank's own tensor (peer_train.py's ``mine``: rank r adds (r + 1) * step)."""
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         model(torch.ones(2, 4) * (step % 5) * 0.1).pow(2).sum().backward()
         for p in model.parameters():
             assert p.grad is not None
             p.grad.mul_(2)  # all_reduce over two ranks holding the same gradient: exact
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    mine = [torch.tensor([float((r + 1) * steps * (steps + 1) // 2)], dtype=torch.float64) for r in (0, 1)]
+    return [p.detach().clone() for p in model.parameters()] + mine
+
+
+def _fault_free(weights: list[Any], steps: int = STEPS) -> bool:
+    import torch
+
+    ref = _reference(steps)
+    return len(weights) == len(ref) and all(torch.equal(a, b) for a, b in zip(weights, ref))
 
 
 def _peer_port(pid: int, addr: str) -> list[int]:
@@ -334,6 +344,11 @@ def _origins(host: Any, pid: int) -> set[str]:
 
 def _held(host: Any, pid: int) -> list[Key]:
     """The replicas the agent of ``pid`` on ``host`` holds (its peer server's index)."""
+    return _asker(host, pid)()
+
+
+def _asker(host: Any, pid: int) -> Any:
+    """A function that reads the index of the agent of ``pid`` on ``host`` (its port found once)."""
     ports = [p for p in _peer_port(pid, host.addr) if p != PORT]
     ours = host.call(lambda: [p for p in ports if _says_hello(host.addr, p)])
     assert len(ours) == 1, (ports, ours)
@@ -345,7 +360,7 @@ def _held(host: Any, pid: int) -> list[Key]:
             return c.index()
         finally:
             c.close()
-    return host.call(ask)
+    return lambda: host.call(ask)
 
 
 def procfs_cmdline(pid: int) -> list[str]:
@@ -382,11 +397,13 @@ def _first_start_after(path: Path, wall: float) -> str:
     return "(no start after the fault)"
 
 
-def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: float = 0) -> dict[str, Any]:
+def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: dict[int, float] | None = None,
+                       steps: int = STEPS, kill_at_replica: int = 0) -> dict[str, Any]:
     """3 test hosts, --nnodes 2:2 (host 2 a spare); host 1 killed whole at step 10, where the
     ranks hold until the test says go (a loaded machine starts the spare slowly). ``send_bps``:
-    the agents' sends throttled to that rate (slower than the steps), and host 1 killed once
-    host 0 holds its rank's step 10."""
+    each host's sends throttled to that rate. ``kill_at_replica``: the ranks never hold; host 1
+    is killed, while both ranks commit every step, as soon as host 0 holds a replica of rank 1's
+    step of at least this."""
     import subprocess
     import sys
 
@@ -398,21 +415,24 @@ def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: float = 0) -> dict[
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"
     out.mkdir()
+    if kill_at_replica:
+        (out / "go").touch()  # no hold: the job commits every step throughout
     shm_before = _shm()
     hosts = Hosts(3)
     agents: list[subprocess.Popen[str]] = []
     try:
         endpoint = f"{hosts[0].addr}:{PORT}"
-        env = {**os.environ, "ELASTICTK_RDZV_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "eth0",
-               **({ENV_THROTTLE: str(send_bps)} if send_bps else {})}
+        env = {**os.environ, "ELASTICTK_RDZV_TOKEN": TOKEN, "GLOO_SOCKET_IFNAME": "eth0"}
 
         def on(i: int) -> subprocess.Popen[str]:
             argv = [sys.executable, "-m", "elastictk.run", "--nnodes", "2:2", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "peerjob",
                     "--rdzv-conf", CONF, "--start-method", "spawn", "--max-restarts", "3", "--snapshot", tiers,
                     "--snapshot-memory", "64M", "--event-log", str(tmp_path / f"events{i}.jsonl"),
-                    str(root / "tests" / "helpers" / "peer_train.py"), str(out), str(STEPS)]
-            p = hosts[i].popen(argv, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                    str(root / "tests" / "helpers" / "peer_train.py"), str(out), str(steps)]
+            rate = (send_bps or {}).get(i)
+            p = hosts[i].popen(argv, env={**env, **({ENV_THROTTLE: str(rate)} if rate else {})}, cwd=root,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             agents.append(p)
             return p
 
@@ -430,11 +450,17 @@ def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: float = 0) -> dict[
         on(2)
         _wait(lambda: (tmp_path / "events2.jsonl").exists()
               and "spare_waiting" in (tmp_path / "events2.jsonl").read_text(), timeout=60)
-        _wait(lambda: min(step(0), step(1)) >= 10, timeout=60)
-        if send_bps:  # the last send, begun while the ranks still committed, ends: a common step
-            _wait(lambda: any((k.rank, k.step) == (1, 10) for k in _held(hosts[0], agents[0].pid)),
-                  timeout=120)
-        before = _origins(hosts[0], agents[0].pid) if "peer" in tiers else set()
+        held: list[Key] = []
+        if kill_at_replica:  # while the ranks commit: as soon as host 0 holds rank 1's step
+            ask = _asker(hosts[0], agents[0].pid)
+
+            def arrived() -> bool:
+                held[:] = ask()
+                return any(k.rank == 1 and k.step >= kill_at_replica for k in held)
+            _wait(arrived, timeout=120)
+        else:
+            _wait(lambda: min(step(0), step(1)) >= 10, timeout=60)
+        before = {k.origin for k in held} if held else (_origins(hosts[0], agents[0].pid) if "peer" in tiers else set())
         killed_at, killed_wall = step(1), time.time()
         from elastictk.lifetime import procfs
 
@@ -462,7 +488,7 @@ def _run_losing_a_host(tmp_path: Path, tiers: str, send_bps: float = 0) -> dict[
         result = {"rc": [agents[0].returncode, agents[2].returncode], "err0": errs[0], "err2": errs[2],
                   "err1": errs[1],
                   "restored": {r: _first_start_after(out / f"restored-{r}", killed_wall) for r in (0, 1)},
-                  "killed_at": killed_at, "before": before, "after": after,
+                  "killed_at": killed_at, "before": before, "after": after, "held": held,
                   "out": out}
         return result
     except AssertionError as e:
@@ -488,31 +514,48 @@ def test_a_whole_host_killed_its_rank_restores_on_the_spare_from_a_peer(tmp_path
     assert line in r["err2"], r["err2"][-3000:]
     assert "fetched by the agent in" in r["err2"]
     assert f"rank 0 restored step {restored[0]} from local memory" in r["err0"]
-    weights = torch.load(r["out"] / "weights.pt")
-    assert all(torch.equal(a, b) for a, b in zip(weights, _reference())), "fault-free weights"
+    assert _fault_free(torch.load(r["out"] / "weights.pt")), "fault-free weights and each rank's own tensor"
     assert len(r["before"]) == 1, "host 0 held the lost host's replicas"
     assert len(r["after"]) == 1 and r["after"] != r["before"], "the lost node's replicas are dropped"
     print(f"rank 1 restored step {restored[1]} (host killed after step {r['killed_at']}) from a peer")
 
 
-def test_a_host_lost_while_its_sends_are_slower_than_the_steps_restores_from_its_replica(
+SLOW_STEPS = 80  # the job's length when its sends are slow: the host is lost near step 45
+PART = 2200  # bytes of this job's part, about (model, momentum, step, each rank's tensor)
+
+
+def test_a_host_lost_while_the_job_commits_and_its_sends_are_slower_than_the_steps_restores_from_its_replica(
         tmp_path: Path) -> None:
-    """Each send takes ~2 s against steps of ~0.15 s: before the slot being sent was pinned, every
-    part was overwritten while it was sent and refused torn, so while the job committed no replica
-    ever arrived. Now each arrives whole, one send behind, the lag is said, and the spare restores
-    the lost rank from host 0's replica."""
+    """Each send takes ~1.8 s (host 1) and ~2.2 s (host 0) against steps of ~0.15 s, and the ranks
+    never stop committing: the agents raise the job's cadence to a power of two covering two
+    sends, so both ship the same steps, and each keeps the step it ships in its memory until the
+    next one. Host 1 is killed as soon as host 0 holds its replica of such a step N: the spare
+    restores rank 1 from that replica and rank 0 restores the same N, with the fault-free weights
+    and each rank's own tensor (the job's state is per rank: another rank's copy would not do).
+    Before (each agent shipping its newest slot as its sends allowed), the survivor's slots held
+    other steps than the lost node's replica, and the ranks started from scratch."""
+    import re
+
     import torch
 
-    part = 1500  # bytes of this job's part, about: a send of ~2 s
-    r = _run_losing_a_host(tmp_path, "local,peer", send_bps=part / 2)
-    assert r["rc"] == [0, 0], r["err0"][-3000:] + "\n---\n" + r["err2"][-3000:]
-    assert "torn" not in r["err0"] + r["err2"], (r["err0"] + r["err2"])[-3000:]
-    assert "rank 1's replica lags" in r["err1"] and "behind its newest commit" in r["err1"], r["err1"][-3000:]
-    restored = {k: int(v) for k, v in r["restored"].items()}
-    assert restored[0] == restored[1] == 10, restored
-    assert "rank 1 restored step 10 from peer " in r["err2"], r["err2"][-3000:]
-    weights = torch.load(r["out"] / "weights.pt")
-    assert all(torch.equal(a, b) for a, b in zip(weights, _reference())), "fault-free weights"
+    r = _run_losing_a_host(tmp_path, "local,peer", send_bps={0: PART / 2.2, 1: PART / 1.8},
+                           steps=SLOW_STEPS, kill_at_replica=8)
+    logs = r["err0"] + "\n---\n" + r["err2"]
+    assert r["rc"] == [0, 0], logs[-4000:]
+    assert "torn" not in r["err0"] + r["err1"] + r["err2"], logs[-4000:]
+    replica = max(x.step for x in r["held"] if x.rank == 1)
+    restored = {x: int(v) if v.isdigit() else v for x, v in r["restored"].items()}
+    assert restored[0] == restored[1] == replica, (restored, r["held"], logs[-4000:])
+    said = [int(k) for k in re.findall(r"ships every (\d+)\w\w step", r["err1"])]
+    assert said, "the cadence was raised: " + r["err1"][-3000:]
+    k = max(said)
+    assert replica % k == 0 and replica >= k >= 8, (replica, k)
+    assert f"rank 1 restored step {replica} from peer " in r["err2"], r["err2"][-3000:]
+    assert re.search(rf"rank 0 restored step {replica} from (local memory|peer |a replica)", r["err0"]), \
+        r["err0"][-3000:]
+    assert r["killed_at"] > replica, "killed while the job committed on past the replica's step"
+    assert _fault_free(torch.load(r["out"] / "weights.pt"), SLOW_STEPS), "fault-free weights and own tensors"
+    print(f"cadence {k}; host 1 killed after step {r['killed_at']}; both ranks restored step {replica}")
 
 
 def test_the_same_loss_with_the_local_tier_only_gets_no_part_from_a_peer(tmp_path: Path) -> None:

@@ -323,11 +323,12 @@ class ElasticAgent:
             rnd.coord.records.write(started_key(self.handler.node_id), {"node_id": self.handler.node_id})
 
     def _peer_round(self, info: RoundInfo, prefetch: bool) -> None:
-        """The peer snapshot tier follows the round: its ring, the replicas nobody can use any
-        more, and (workers about to start) this node's ranks' parts that only peers hold."""
+        """The peer snapshot tier follows the round: its ring, its keys in the round's store, the
+        replicas nobody can use any more, and (workers about to start) the parts to restore."""
         if self._peer is not None and self.handler is not None and self._assignment_now is not None:
             a = self._assignment_now
-            self._peer.round(info.members, a.global_world_size, self.handler.node_id, a.base_global_rank, prefetch)
+            self._peer.round(info.members, a.global_world_size, self.handler.node_id, a.base_global_rank, prefetch,
+                             info.store)
 
     def _on_membership(self, rnd: _Round) -> None:
         assert self.group is not None

@@ -200,14 +200,18 @@ class Region:
 
     def next_slot(self) -> int:
         """Where the next commit goes: the slot that is not active, unless the agent has it
-        pinned; then the active one (the pinned slot stays the whole snapshot meanwhile)."""
+        pinned; then the active one (the pinned slot stays the whole snapshot meanwhile). A pin
+        on a slot that holds no snapshot any more (a restore gave it up) does not hold: writing
+        the active slot over then would leave no whole snapshot while it is written."""
         active = self.active
         i = 1 - active if active in (0, 1) else 0
-        return active if i == self.pinned and active in (0, 1) else i
+        held = i == self.pinned and active in (0, 1) and self.meta(i).state == READY
+        return active if held else i
 
-    def begin(self) -> int:
-        """The slot to write next, given up (WRITING) before a byte of it changes."""
-        i = self.next_slot()
+    def begin(self, slot: Optional[int] = None) -> int:
+        """The slot to write next (``slot``: this one), given up (WRITING) before a byte of it
+        changes."""
+        i = self.next_slot() if slot is None else slot
         self._set_state(i, WRITING)
         U32.pack_into(self.mm, OFF_ORIGIN + ORIGIN_SIZE * i, 0)
         return i
@@ -233,13 +237,14 @@ class Region:
         return digest
 
     def adopt(self, step: int, raw: memoryview, rank: int, world: int, origin: str = "",
-              digest: Optional[int] = None) -> int:
+              digest: Optional[int] = None, slot: Optional[int] = None) -> int:
         """Make ``raw`` (a serialized state, e.g. from disk or a peer) this region's active
         snapshot; ``origin`` says where it came from (what a restore names). ``digest``: its
         checksum, already verified over ``raw`` (a peer's part): stored without reading the
-        bytes again (the restore verifies the slot as it loads it)."""
+        bytes again (the restore verifies the slot as it loads it). ``slot``: the slot to
+        overwrite (the agent's choice, :meth:`evictable`); else the next commit's."""
         self.check_fits(len(raw), step, rank)
-        i = self.begin()
+        i = self.begin(slot)
         self.data(i)[:len(raw)] = raw
         self.publish(i, step, len(raw), rank, world)
         text = origin.encode()[:ORIGIN_SIZE - U32.size]
@@ -253,6 +258,15 @@ class Region:
             U64.pack_into(self.mm, meta + OFF_SUM, digest)
             U32.pack_into(self.mm, meta + 4, 1)
         return i
+
+    def evictable(self, rank: int, world: int) -> int:
+        """The slot an adopted part of ``rank`` in ``world`` may overwrite: one that holds no
+        part of it, else the one holding the older step; never the newest."""
+        metas = [self.meta(i) for i in range(SLOTS)]
+        mine = [m for m in metas if m.state == READY and (m.rank, m.world) == (rank, world)
+                and 0 < m.length <= self.slot_size]
+        free = [m.index for m in metas if m not in mine]
+        return free[0] if free else min(mine, key=lambda m: (m.step, m.seq)).index
 
     def origin(self, i: int) -> str:
         """Where slot ``i``'s snapshot came from when it was adopted ("" for a commit's own)."""

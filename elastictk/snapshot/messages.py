@@ -34,6 +34,7 @@ MAX_ORIGIN = 256  # a node id
 MAX_WHY = 1000  # a refusal's reason
 SHOWN = 200  # characters of a peer's free text that reach the log
 MAX_INDEX = 16384  # replicas one index reply may list
+MAX_LOCAL = 4096  # local slots one index reply may list (two per local rank)
 NONCE = re.compile(r"[0-9a-f]{32}")
 MAC = re.compile(r"[0-9a-f]{64}")
 
@@ -146,6 +147,35 @@ def index_reply(h: Mapping[str, Any]) -> list[Key]:
     if len(entries) > MAX_INDEX:
         raise BadMessage(f"field 'replicas' lists {len(entries)} replicas, more than {MAX_INDEX}")
     return [key(e) for e in entries]
+
+
+@dataclass(frozen=True)
+class Held:
+    """A step the answering agent holds in one of its local slots, ready and checksummed."""
+
+    rank: int
+    world: int
+    step: int
+
+
+def held(h: Any) -> Held:
+    if not isinstance(h, dict):
+        raise BadMessage(f"a local slot entry is {_show(h)}, not an object")
+    world = integer(h, "world", 1, MAX_WORLD)
+    return Held(integer(h, "rank", 0, world - 1), world, integer(h, "step", 0, MAX_STEP))
+
+
+def index_local(h: Mapping[str, Any]) -> list[Held]:
+    """The ``local`` field of an index reply: the steps the answering agent holds in its local
+    slots (absent: none said, as an older agent answers)."""
+    entries = h.get("local")
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise BadMessage(f"field 'local' is {_show(entries)}, not a list")
+    if len(entries) > MAX_LOCAL:
+        raise BadMessage(f"field 'local' lists {len(entries)} slots, more than {MAX_LOCAL}")
+    return [held(e) for e in entries]
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ join record) and answers three requests over authenticated connections (:mod:`.w
 
 - ``put``: a part of another node (origin, rank, world, step, checksum, length, then the raw
   bytes), received straight into a replica's memory and kept only if its checksum matches;
-- ``index``: what replicas this agent holds;
+- ``index``: what replicas this agent holds, and which steps it holds in its own local slots
+  (``local``: what a round's start agrees on before anything is fetched, :mod:`.ring`);
 - ``get``: one replica's bytes, which the client checks against the checksum before use.
 
 Every field of every message is checked by :mod:`.messages` before use. Refusals (a stranger,
@@ -29,7 +30,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from . import messages
 from .codec import checksum
@@ -71,11 +72,12 @@ class PeerServer:
     """
 
     def __init__(self, host: str, replicas: Replicas, key: Optional[bytes], job: str,
-                 on_kept: Optional[Callable[[Key, list[Key]], None]] = None, *,
+                 on_kept: Optional[Callable[[Key, list[Key]], None]] = None,
+                 local: Optional[Callable[[], list[dict[str, Any]]]] = None, *,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING,
                  max_peers: int = MAX_PEERS, max_peer_connections: int = MAX_PEER_CONNECTIONS,
                  put_floor: float = PUT_FLOOR) -> None:
-        self.replicas, self.key, self.job, self.on_kept = replicas, key, job, on_kept
+        self.replicas, self.key, self.job, self.on_kept, self.local = replicas, key, job, on_kept, local
         self.handshake_timeout, self.max_pending, self.max_peers = handshake_timeout, max_pending, max_peers
         self.max_peer_connections, self.put_floor = max_peer_connections, put_floor
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -208,7 +210,8 @@ class PeerServer:
             if op == "put":
                 self._put(conn, messages.put_request(req), who)
             elif op == "index":
-                send(conn, {"ok": True, "replicas": [k.__dict__ for k in self.replicas.index()]},
+                send(conn, {"ok": True, "replicas": [k.__dict__ for k in self.replicas.index()],
+                            "local": self.local() if self.local is not None else []},
                      deadline=time.monotonic() + self.put_floor)
             else:
                 self._get(conn, *messages.get_request(req))
@@ -335,8 +338,13 @@ class PeerClient:
             raise WireError(f"{self.where} did not keep rank {rank}'s step {step}: {done.why}")
 
     def index(self) -> list[Key]:
+        return self.holdings()[0]
+
+    def holdings(self) -> tuple[list[Key], list[messages.Held]]:
+        """The replicas the peer holds, and the steps it holds in its own local slots."""
         send(self.sock, {"op": "index"}, deadline=self._deadline())
-        return messages.index_reply(recv(self.sock, MAX_HEADER, self._deadline()))
+        reply = recv(self.sock, MAX_HEADER, self._deadline())
+        return messages.index_reply(reply), messages.index_local(reply)
 
     def get(self, rank: int, world: int, step: int, limit: int = messages.MAX_PART) -> tuple[bytearray, int]:
         """The bytes of a replica and their checksum, verified; :class:`WireError` if absent,

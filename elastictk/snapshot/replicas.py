@@ -3,19 +3,24 @@
 Each replica lives in an anonymous shared mapping of its own, sized to the part (nothing in
 ``/dev/shm``, no file descriptor: it dies with this agent), so a part is received straight into
 the memory that keeps it and a thousand replicas cost no descriptor the agent needs for its
-workers, stores and ``/proc``. At most :data:`KEEP` steps are kept per (rank, world size). A
-newer part arrives beside the one kept, which is dropped only once the new one is whole and
-verified: a send cut short (its sender lost mid-send, the very case a replica exists for) never
-costs the last whole replica. So a node holds its two local slots, the kept replica and, for
-the length of a send, the arriving one: 3x the state at rest, 4x while a part arrives, and
-never more. The bytes of all replicas, kept and arriving, stay within ``--snapshot-memory`` at
-every instant (the one about to be superseded counts until it goes), and the replicas are counted
-too, not only their bytes (at most :data:`MAX_REPLICAS`; a part of zero bytes is refused before
-it gets here). One peer (one sender address) may hold at most :data:`MAX_PEER_REPLICAS` of them
-and have at most half the memory bound reserved for parts still arriving
-(:data:`PEER_INFLIGHT`), so a token holder who reserves parts and trickles their bytes leaves
-room for honest ones. A replica that does not fit is refused in one line by the caller. A
-replica in use by a sender is closed only once the send is done.
+workers, stores and ``/proc``. At most :data:`KEEP` steps are mapped per (rank, world size,
+origin), kept and arriving together. A newer part arrives beside the one kept, which stays once
+the new one is whole and verified until the new step is whole on *every* node of the round
+(``hold()`` says whether to wait for that; :meth:`Replicas.settle` asks, with the round's
+counters, :mod:`.cadence`): a send cut short (its sender lost mid-send, the very case a replica
+exists for) never costs the last whole replica, and a node lost while the others' parts of the
+new step are still on their way leaves their older step whole everywhere, for the restore to
+agree on. So a node holds its two local slots and one replica at rest, 3x the state, and 4x from
+the start of an arrival until every node's part of that step is whole; a third part arriving
+for the same rank drops the oldest first, so never more. The bytes of all replicas, kept and
+arriving, stay within ``--snapshot-memory`` at every instant (the one about to be superseded
+counts until it goes), and the replicas are counted too, not only their bytes (at most
+:data:`MAX_REPLICAS`; a part of zero bytes is refused before it gets here). One peer (one sender
+address) may hold at most :data:`MAX_PEER_REPLICAS` of them and have at most half the memory
+bound reserved for parts still arriving (:data:`PEER_INFLIGHT`), so a token holder who reserves
+parts and trickles their bytes leaves room for honest ones. A replica that does not fit is
+refused in one line by the caller. A replica in use by a sender is closed only once the send is
+done.
 
 What is kept follows the job's membership (:func:`stale`): a replica of another world size is
 no use to anyone (a part restores only the same rank in the same world size) and goes at once;
@@ -28,13 +33,13 @@ from __future__ import annotations
 import mmap
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from .settings import human
 
-KEEP = 1  # the newest whole step per rank: 2 local slots + 1 replica = 3x the state per node at rest
+KEEP = 2  # steps per (rank, world, origin): the newest whole one, and the one before until it is whole everywhere
 MAX_REPLICAS = 1024  # replicas held or arriving, from all peers together
-MAX_PEER_REPLICAS = 256  # ... from one peer (a node ships its local ranks x KEEP: 8 x 1 typically)
+MAX_PEER_REPLICAS = 256  # ... from one peer (a node ships its local ranks x KEEP: 8 x 2 typically)
 PEER_INFLIGHT = 0.5  # of the memory bound, the most one peer may have reserved for arriving parts
 
 
@@ -89,13 +94,24 @@ class Replica:
             self._mm = None
 
 
+def older(held: Iterable[Key], new: Key) -> list[Key]:
+    """The same sender's replicas of ``new``'s rank and world older than it (pure)."""
+    return sorted((k for k in held if (k.origin, k.rank, k.world) == (new.origin, new.rank, new.world)
+                   and k.step < new.step), key=lambda k: k.step)
+
+
 class Replicas:
+    """``hold()``: whether a replica that a newer one of its rank replaced stays until the newer
+    step is whole everywhere (:meth:`settle`); without it (or while it says no) it goes at once."""
+
     def __init__(self, budget: int, max_replicas: int = MAX_REPLICAS,
-                 max_peer_replicas: int = MAX_PEER_REPLICAS) -> None:
+                 max_peer_replicas: int = MAX_PEER_REPLICAS, hold: Optional[Callable[[], bool]] = None) -> None:
         self.budget, self.max_replicas, self.max_peer_replicas = budget, max_replicas, max_peer_replicas
+        self.hold = hold
         self._lock = threading.Lock()
         self._held: dict[Key, Replica] = {}
         self._pending: set[Replica] = set()
+        self._waiting: dict[tuple[str, int, int], int] = {}  # (origin, rank, world) -> the step to be whole
 
     def used(self) -> int:
         return sum(r.length for r in self._held.values()) + sum(r.length for r in self._pending)
@@ -113,11 +129,24 @@ class Replicas:
         if length < 0:  # messages.put_request refuses it; the budget arithmetic must never see one
             raise ValueError(f"a replica of {length} bytes")
         with self._lock:
+            self._make_room(key)
             self._check_limits(key, length, peer)
             mm = mmap.mmap(-1, max(length, 1))  # MAP_SHARED|MAP_ANONYMOUS: shmem, no descriptor
             rep = Replica(key, digest, length, mm, peer)
             self._pending.add(rep)
             return rep
+
+    def _make_room(self, key: Key) -> None:
+        """A part of a newer step arriving while :data:`KEEP` of its rank are held from its
+        sender (the older one still waiting for the newer to be whole everywhere): the oldest
+        goes, so at most :data:`KEEP` are mapped, kept and arriving. Under the lock."""
+        mine = older(self._held, key)
+        arriving = sum(1 for r in self._pending if (r.key.origin, r.key.rank, r.key.world)
+                       == (key.origin, key.rank, key.world))
+        newer = [k for k in self._held if (k.origin, k.rank, k.world) == (key.origin, key.rank, key.world)
+                 and k.step >= key.step]
+        for k in mine[:max(len(mine) + len(newer) + arriving + 1 - KEEP, 0)]:
+            self._drop(k)
 
     def _check_limits(self, key: Key, length: int, peer: str) -> None:
         """:class:`NoRoom` unless a reservation for ``key`` fits every limit. Bytes and counts are
@@ -143,15 +172,48 @@ class Replicas:
                          f"have at most half of --snapshot-memory ({human(self.budget)}) arriving")
 
     def keep(self, rep: Replica) -> list[Key]:
-        """Make a received, verified replica available; the keys it dropped."""
+        """Make a received, verified replica available; the keys it dropped. The older replica
+        of its rank it replaces stays while ``hold()`` says so, until :meth:`settle` finds the
+        new step whole everywhere."""
+        hold = self.hold is not None and self.hold()
         with self._lock:
             self._pending.discard(rep)
             gone = superseded(self._held, rep.key)
+            if not hold:
+                gone |= set(older(self._held, rep.key))
             for k in gone:
                 self._drop(k)
             self._held[rep.key] = rep
             rep.kept = True
+            slot = (rep.key.origin, rep.key.rank, rep.key.world)
+            if hold and older(self._held, rep.key):
+                self._waiting[slot] = rep.key.step
+            else:
+                self._waiting.pop(slot, None)
             return sorted(gone, key=lambda k: (k.rank, k.step))
+
+    def waiting(self) -> set[int]:
+        """The steps whose older replicas stay until they are whole everywhere."""
+        with self._lock:
+            return set(self._waiting.values())
+
+    def settle(self, whole: Callable[[int], bool]) -> list[Key]:
+        """Drop the older replicas of every rank whose newer step ``whole(step)`` says is whole on
+        every node (asked once per step, outside the lock); the keys dropped."""
+        steps = self.waiting()
+        done = {s for s in steps if whole(s)}
+        gone: list[Key] = []
+        with self._lock:
+            for slot, step in list(self._waiting.items()):
+                newest = Key(slot[0], slot[1], slot[2], step)
+                if newest not in self._held:
+                    del self._waiting[slot]  # dropped meanwhile (a round, a newer part)
+                elif step in done:
+                    del self._waiting[slot]
+                    for k in older(self._held, newest):
+                        self._drop(k)
+                        gone.append(k)
+        return gone
 
     def discard(self, rep: Replica) -> None:
         with self._lock:
@@ -159,6 +221,9 @@ class Replicas:
             rep._close()
 
     def _drop(self, k: Key) -> None:
+        slot = (k.origin, k.rank, k.world)
+        if self._waiting.get(slot) == k.step:
+            del self._waiting[slot]
         rep = self._held.pop(k, None)
         if rep is not None:
             rep.dropped = True

@@ -168,6 +168,7 @@ class MembershipWatch:
         if self._store.ordered_arrivals:
             return self._poll_ordered(nxt)
         next_arrivals = round_key(nxt, "arrivals")
+        woke = False
         try:
             self._store.wait([self._wait_key], cfg.heartbeat_interval)
             if self._stop.is_set():
@@ -175,10 +176,12 @@ class MembershipWatch:
             if self._handler.verified("shutdown", self._store.try_get("shutdown")):
                 self._signal("the job was shut down")
                 return True
-            self._wait_key = next_arrivals
+            self._wait_key, woke = next_arrivals, True
         except StoreTimeout:
             pass
-        if self._wait_key != next_arrivals or self._store.try_get(next_arrivals) is not None:
+        # A wait on the arrival counter that timed out found none: no read to confirm it (one
+        # request a second per node); one written since wakes the next wait at once.
+        if woke or self._wait_key != next_arrivals:
             count = parse_counter(self._store.try_get(next_arrivals), self._handler.arrival_cap)
             first_unread = self._first_joiner(nxt, count)
             if first_unread is None:

@@ -75,7 +75,7 @@ def markdown(result: dict[str, Any], intro: str = "") -> str:
 
 
 NOTES = [
-    "a simulated node is a set of threads (bench/_rdzv_scale_nodes.py), up to 128 nodes to a "
+    "a simulated node is a set of threads (bench/_rdzv_scale_nodes.py), up to 16 nodes to a "
     "forked worker process (bench/_rdzv_scale_fleet.py): every node opens its own four store "
     "connections (its own, its heartbeat's, its membership watch's, its failure watch's) and "
     "sends what a real agent sends, from the same code, so the server sees the traffic of N "

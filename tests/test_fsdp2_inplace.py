@@ -106,7 +106,9 @@ def launch(tmp: Path, tag: str, *flags: str, env: dict[str, str] | None = None,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     path = work / "record.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, recs
+    # A generation that never formed: where each worker was, for the failure message's tail.
+    unformed = "".join(f"\n{p.read_text()}" for p in (work / "logs").rglob("inplace_unformed.txt"))
+    return proc.returncode, proc.stdout + proc.stderr + unformed, recs
 
 
 def final(work: Path) -> dict:

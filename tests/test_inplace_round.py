@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from elastictk.inplace.protocol import ready_key, ready_value
+from elastictk.agent.rankstacks import pyspy_path
+from elastictk.agent.unformed import REPORT, joined_count, summary
+from elastictk.inplace.protocol import joined_key, ready_key, ready_value
 from elastictk.store import FileStore, TCPStore
 from elastictk.agent.inplace import InPlaceRound
 from elastictk.agent.inplace_host import Setup
@@ -21,18 +24,21 @@ Events = list[tuple[str, dict[str, Any]]]
 
 
 @contextlib.contextmanager
-def round_of_two(tmp_path: Path, max_restarts: int) -> Iterator[tuple[WorkerGroup, InPlaceRound, Events]]:
+def round_of_two(tmp_path: Path, max_restarts: int, reform_timeout: float = 30.0,
+                 argv: tuple[str, ...] = ("/bin/sh", "-c", "exec sleep 600"),
+                 ) -> Iterator[tuple[WorkerGroup, InPlaceRound, Events]]:
     """Two sleeping workers under one agent's in-place round, with a real in-place store."""
     events: Events = []
     server = TCPStore.serve("127.0.0.1", 0)
     job = FileStore(tmp_path / "job")
-    spec = WorkerSpec(["/bin/sh", "-c", "exec sleep 600"], local_world_size=2)
+    spec = WorkerSpec(list(argv), local_world_size=2)
     setup = Setup(f"127.0.0.1:{server.port}", "round1", 0, False)
     try:
         with WorkerGroup(spec, tmp_path / "logs") as group:
             group.start(0, assignment(group_rank=0, nodes=1))
             rnd = InPlaceRound(group, job, RestartPolicy(max_restarts=max_restarts), setup, 2,
-                               {"n0": 0}, emit=lambda kind, **kw: events.append((kind, kw)))
+                               {"n0": 0}, emit=lambda kind, **kw: events.append((kind, kw)),
+                               reform_timeout=reform_timeout)
             try:
                 yield group, rnd, events
             finally:
@@ -78,3 +84,40 @@ def test_a_recovery_is_timed_to_when_the_group_formed_not_to_when_the_agent_noti
         recovered = [kw for k, kw in events if k == "inplace_recovered"]
         assert len(recovered) == 1 and recovered[0]["generation"] == 1
         assert 0 <= recovered[0]["took_ms"] < 300, recovered
+
+
+SLEEPER = (sys.executable, "-c", "import time\ndef waiting():\n    time.sleep(600)\nwaiting()")
+
+
+def test_a_generation_that_never_forms_falls_back_with_how_far_it_got_and_every_stack(
+        tmp_path: Path) -> None:
+    """The replacement's generation never becomes ready (one rank of two joined): past the
+    re-form deadline the agent falls back, and first writes what the fallback is about to
+    kill, the joined count and each local worker's stacks, and its line points there."""
+    with round_of_two(tmp_path, max_restarts=1, reform_timeout=0.5, argv=SLEEPER) as (group, rnd, events):
+        group.signal_one(0, signal.SIGKILL)
+        assert rnd.on_failures(group.wait_any(timeout=30)) and rnd.pending == 1
+        rnd.store.add(joined_key(1), 1)
+        deadline = time.monotonic() + 120  # 0.5 s of an idle host's time, however busy this one is
+        while not rnd.poll():
+            assert time.monotonic() < deadline, events
+            time.sleep(0.05)
+        pids = group.pids()
+        reason = [kw["reason"] for kind, kw in events if kind == "inplace_fallback"]
+        assert len(reason) == 1 and reason[0].startswith("generation 1 not ready within 0.5s"), reason
+        assert "1 of 2 ranks had joined generation 1" in reason[0], reason
+        path = Path(reason[0].rsplit("stacks in ", 1)[1])
+        assert path == group.attempt_dir / REPORT
+        text = path.read_text()
+        assert text.startswith("in-place generation 1 not ready within 0.5s"), text
+        for lr, pid in pids.items():
+            assert f"(local {lr}, pid {pid}, state " in text, text
+        if pyspy_path() is not None:  # installed with elastictk; the dump shows where each waits
+            assert text.count("waiting (<string>:3)") == 2, text
+
+
+def test_an_unreadable_joined_count_is_named_as_such() -> None:
+    assert summary(3, joined_count(b"not a number"), 4) == "an unreadable count of 4 ranks had joined generation 3"
+    assert summary(3, joined_count(None), 4).startswith("an unreadable count")
+    assert summary(3, joined_count(b"-1"), 4).startswith("an unreadable count")
+    assert summary(3, joined_count(b"2"), 4) == "2 of 4 ranks had joined generation 3"

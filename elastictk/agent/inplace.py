@@ -48,7 +48,7 @@ from typing import Optional
 
 from ..inplace.protocol import (
     ENV_FIRST_GEN, ENV_KEY, ENV_NODE, ENV_PREFIX, ENV_STORE, Generation, Sealer, error_key, gen_key,
-    newest_sealed, publish, ready_key, ready_time, round_prefix,
+    joined_key, newest_sealed, publish, ready_key, ready_time, round_prefix,
 )
 from ..lifetime.busyclock import BusyDeadline
 from ..lifetime.procfs import is_frozen
@@ -62,6 +62,7 @@ from .config import AgentConfig
 from .coordination import Budget, Decision, node_ranges, records_of
 from .inplace_host import InPlaceHost, Setup, inplace_key
 from .outcome import DecisionAction
+from .unformed import joined_count, report_unformed, summary
 from .hang import Hang, declare_frozen
 from .policy import RestartPolicy
 
@@ -337,10 +338,22 @@ class InPlaceRound:
         if self._ready.is_set() and self.pending is not None:
             self._complete_pending()
         if self.deadline is not None and self.deadline.expired():
-            self.emit(EventKind.INPLACE_FALLBACK, reason=f"generation {self.gen} not ready within "
-                      f"{self.deadline.describe()}")
+            self.emit(EventKind.INPLACE_FALLBACK, reason=self._unformed(self.deadline.describe()))
             return True
         return False
+
+    def _unformed(self, waited: str) -> str:
+        """The fallback's reason, after the report of how far the generation got and where
+        each local worker was (the fallback kills them, and the evidence with them)."""
+        try:
+            joined = joined_count(self.store.try_get(joined_key(self.gen)))
+        except StoreError:
+            joined = None
+        pids = {lr: pid for lr, pid in self.group.pids().items() if lr in self.group.running}
+        path = report_unformed(self.group.attempt_dir, self.gen, joined, self.world_size, pids,
+                               {lr: self.base_rank + lr for lr in pids}, waited)
+        where = f"; this node's workers' stacks in {path}" if path else ""
+        return f"generation {self.gen} not ready within {waited}: {summary(self.gen, joined, self.world_size)}{where}"
 
     def _kill_frozen(self) -> None:
         """The group's collective failed: a local worker stopped (state T) is the hang that

@@ -1,0 +1,66 @@
+"""What an in-place generation that never formed leaves behind: how far it got, and every stack.
+
+When the agent gives up on a generation (its re-form deadline passed) it falls back to
+restart-all, which kills the workers: whatever kept them from forming (a replacement stuck in
+an import, a survivor in a backend call, a connect that never completed) goes with them. So
+before the fallback the agent writes ``inplace_unformed.txt`` in the attempt's log directory:
+how many ranks had joined the generation (its ``joined`` counter) and each local worker's
+``/proc`` state and Python stacks (py-spy pauses it for a moment; a process it cannot read is
+named with why), and the fallback's line points at it. Like the hang report, this is this
+node's view; each node's agent writes its own.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Mapping, Optional
+
+from .rankstacks import proc_state, pyspy_dump, where_pyspy
+
+log = logging.getLogger("elastictk.agent")
+
+REPORT = "inplace_unformed.txt"
+
+
+def joined_count(raw: Optional[bytes]) -> Optional[int]:
+    """The generation's ``joined`` counter (a store ``add``), None when absent or not a count."""
+    if raw is None:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        return None
+    return n if 0 <= n < 1 << 31 else None
+
+
+def summary(gen: int, joined: Optional[int], world: int) -> str:
+    """``0 of 2 ranks had joined generation 1`` (pure)."""
+    got = "an unreadable count of" if joined is None else f"{joined} of"
+    return f"{got} {world} ranks had joined generation {gen}"
+
+
+def report_unformed(report_dir: Optional[Path], gen: int, joined: Optional[int], world: int,
+                    pids: Mapping[int, int], ranks: Mapping[int, int], waited: str) -> Optional[str]:
+    """Write the report; its path, or None without a directory or where it cannot be written."""
+    if report_dir is None:
+        return None
+    lines = [f"in-place generation {gen} not ready within {waited} on {socket.gethostname()}: "
+             f"{summary(gen, joined, world)}; falling back to restart-all", ""]
+    for lr, pid in sorted(pids.items()):
+        text, why = pyspy_dump(pid, stopped=proc_state(pid) in ("T", "t"))
+        where = where_pyspy(text) if text else None
+        lines += [f"== rank {ranks.get(lr, lr)} (local {lr}, pid {pid}, state {proc_state(pid)})"
+                  f"{', at ' + where if where else ''}; stacks from {'py-spy' if text else why}",
+                  text.rstrip() or "(no stacks)", ""]
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        path = report_dir / REPORT
+        path.write_text("\n".join(lines))
+        return str(path)
+    except OSError as e:
+        log.warning("cannot write the in-place report to %s: %s", report_dir, e)
+        return None
+
+
+__all__ = ["REPORT", "joined_count", "report_unformed", "summary"]

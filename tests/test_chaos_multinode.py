@@ -209,3 +209,29 @@ def test_the_expected_outcome_follows_the_rules(shape: Shape, needed: int, kille
     # Short outages and etcd's node 0 are nothing special.
     short = [s for s in outages if s < shape.heartbeat_timeout]
     assert expect(shape, needed, killed, short).finish in (True, False)
+
+
+def _outage_row(reason: str, cause: str = "lost_node") -> dict:
+    """The row of a 3.7 s store outage at t=11 that came 2.6 s after node 2's agent was killed,
+    with the survivors' one membership change at t=14.9 (seen in a seeded in-place run)."""
+    from elastictk.chaos.nodereport import node_fault
+    from elastictk.chaos.record import Injection, RunRecord
+    from elastictk.metrics.events import Event
+
+    rec = RunRecord(argv=[], started=0.0)
+    rec.injections = [Injection(0, "kill-agent", "node:2", 8.5, None, how="outside"),
+                      Injection(1, "store-outage", "store", 11.1, None, how="outside")]
+    rec.events = tag_events([
+        (n, [Event("workers_started", {"world_size": 3}, mono=1.0, node_id=f"vm-{n}")]) for n in range(3)
+    ] + [(n, [Event("membership_changed", {"reason": reason, "cause": cause}, mono=14.9 + n / 100,
+                    node_id=f"vm-{n}")]) for n in (0, 1)])
+    shape = Shape(nodes=3, min_nodes=2, backend="c10d", max_restarts=2, heartbeat_timeout=6.0)
+    return node_fault(Fault(kind="store-outage", target="store", param="3.7", at_s=4.8), rec.injections[1], rec, shape)
+
+
+def test_the_notice_of_a_node_killed_before_an_outage_is_not_the_outages_doing() -> None:
+    assert _outage_row("node vm-2 (rank 2) lost: no heartbeat for 6.8s")["outcome"] == "ridden through"
+    # The failing side: a member the outage itself cost (not the killed one) is still the outage's.
+    row = _outage_row("node vm-1 (rank 1) lost: no heartbeat for 6.8s")
+    assert row["outcome"] == "membership change" and round(row["detected_after"], 2) == 3.8
+    assert _outage_row("node vm-2 (rank 2) lost", cause="store_error")["outcome"] == "membership change"

@@ -6,7 +6,9 @@ A ``kill-agent`` is *detected* when a surviving node first reacts after it: a
 worker broke in a collective with the lost ranks first). The first is a membership change and
 spends no restart; the second is a failure and spends one. The job is *running again* at the
 next ``workers_started`` after that. A ``store-outage`` is *ridden through* when no node reacts
-within the outage plus the heartbeat timeout.
+within the outage plus the heartbeat timeout; the survivors noticing a node killed before the
+outage (a ``membership_changed`` naming it, due a heartbeat timeout after the kill) is the
+kill's reaction, not the outage's.
 """
 from __future__ import annotations
 
@@ -65,6 +67,26 @@ def _joined(e: Any) -> bool:
     return e.kind == "membership_changed" and e.fields.get("cause") == "node_joined"
 
 
+def _killed_ids(rec: RunRecord, before: float) -> set[str]:
+    """The node ids of agents a ``kill-agent`` took before ``before`` (each as it was when it
+    was killed: a node that rejoins later comes back under a new id)."""
+    out: set[str] = set()
+    for i in rec.injections:
+        if i.kind == "kill-agent" and i.mono < before:
+            node = int(i.target.split(":")[1])
+            ids = [e.node_id for e in rec.events if e.fields.get("node") == node and e.mono <= i.mono and e.node_id]
+            out.update(ids[-1:])
+    return out
+
+
+def _loss_of(e: Any, killed: set[str]) -> bool:
+    """A survivor's membership change that names a node an earlier ``kill-agent`` took: that
+    fault's reaction, however late it comes (a heartbeat timeout after the kill)."""
+    reason = str(e.fields.get("reason", ""))
+    return (e.kind == "membership_changed" and e.fields.get("cause") == "lost_node"
+            and any(reason.startswith(f"node {k} ") for k in killed))
+
+
 def node_fault(fault: Any, inj: Injection, rec: RunRecord, shape: Shape) -> dict[str, Any]:
     """The row fields of a fired ``kill-agent`` or ``store-outage`` (see the module)."""
     at = inj.mono
@@ -87,11 +109,13 @@ def node_fault(fault: Any, inj: Injection, rec: RunRecord, shape: Shape) -> dict
         else:
             row["outcome"] = seen.kind.replace("_", " ")
     else:
-        # Reactions after another fault hit (within the window) are that fault's doing.
+        # Reactions after another fault hit (within the window) are that fault's doing, and so
+        # is the survivors' notice of a node killed before the outage began.
         until = min([at + float(fault.param) + shape.heartbeat_timeout] +
                     [i.mono for i in rec.injections if i.fault != inj.fault and i.mono > at])
+        killed = _killed_ids(rec, at)
         seen = next((e for e in rec.events if e.kind in REACTIONS + ("restart",) and at <= e.mono <= until
-                     and not _joined(e)), None)
+                     and not _joined(e) and not _loss_of(e, killed)), None)
         if seen is None:
             row["outcome"] = "ridden through"
         else:

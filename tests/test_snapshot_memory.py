@@ -15,10 +15,13 @@ arrived whole and the older replicas are gone.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from elastictk.snapshot.local import Holder, Region
 from elastictk.snapshot.peertier import PeerTier
@@ -55,11 +58,16 @@ def _commit(region: Region, step: int, rank: int) -> None:
     region.seal(i)
 
 
-def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_more_at_most(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replica_memory, most", [(4 * PART, 4), (PART, 3)], ids=["whole-throughout", "tight"])
+def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_more_at_most(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, replica_memory: int, most: int) -> None:
+    """``tight``: ``--snapshot-replica-memory`` of one part, 3x at every instant: the kept
+    replica goes before its successor arrives, said in one line."""
+    caplog.set_level(logging.WARNING, "elastictk.snapshot")
     gc.collect()  # an earlier test's replicas, unreachable but still mapped, go first
     base = _anon_shared()
     holders = [Holder(1, 4 * PART) for _ in range(2)]
-    tiers = [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, 4 * PART) for h in holders]
+    tiers = [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, replica_memory) for h in holders]
     workers: list[Region] = []
     peak = {"total": 0}
     stop = threading.Event()
@@ -110,9 +118,16 @@ def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_mo
         assert per_node_rest <= 3 * PART + SLACK, (
             f"at rest a node holds {per_node_rest / PART:.2f}x the state: two local slots and one "
             "replica are 3x")
-        assert per_node_peak <= 4 * PART + SLACK, (
+        assert per_node_peak <= most * PART + SLACK, (
             f"a node held {per_node_peak / PART:.2f}x the state: two local slots, the kept replica "
-            "and the newer one (arriving, or kept until it is whole on every node) are 4x")
+            "and the newer one (arriving, or kept until it is whole on every node) are 4x; with a "
+            "bound of one replica, 3x")
+        tight = [r.getMessage() for r in caplog.records if "was dropped before step" in r.getMessage()]
+        if most == 3:
+            assert min(t.replicas.tight for t in tiers) > 0 and len(tight) == 2, tight  # once per sender
+            assert "for a whole replica throughout give --snapshot-replica-memory at least 2.1 MB" in tight[0], tight
+        else:
+            assert tight == [] and [t.replicas.tight for t in tiers] == [0, 0]
         print(f"per node: {per_node_peak / PART:.2f}x at the peak, {per_node_rest / PART:.2f}x at rest")
     finally:
         stop.set()
@@ -125,3 +140,22 @@ def test_a_node_holds_two_slots_and_one_replica_at_rest_and_one_arriving_part_mo
         if "store" in locals():
             store.close()
     assert _anon_shared() <= base, "every replica's mapping went with its tier"
+
+
+def test_the_replica_bound_reaches_the_agent_only_with_the_peer_tier(tmp_path: Path) -> None:
+    """``--snapshot-replica-memory`` from the command line to the agent's config (which hands it
+    to the peer tier's replicas, by default the local tier's bound)."""
+    from elastictk.agent import build_agent
+    from elastictk.cli import parse_args
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    for tiers, want in (("local,peer", 10**6), ("local", None)):
+        config = parse_args(["--standalone", "--snapshot", tiers, "--snapshot-replica-memory", "1M",
+                             str(script)], environ={})
+        agent, handle = build_agent(config)
+        try:
+            assert agent.config.snapshot_replica_memory == want
+            assert agent.config.snapshot_replicas == (1 if want else 0)
+        finally:
+            handle.close()

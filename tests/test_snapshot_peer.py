@@ -194,7 +194,8 @@ def test_a_replica_that_does_not_fit_the_memory_bound_is_refused_in_one_line() -
         c = PeerClient("127.0.0.1", s.port, TOKEN.encode(), JOB)
         part = bytes(2 << 20)
         with pytest.raises(WireError, match=r"refused rank 1's step 2: \"a replica of rank 1's step 2 \(2.1 MB\) "
-                           r"does not fit: 0 B of 1.0 MB \(--snapshot-memory\) held or arriving; raise --snapshot-memory\"$"):
+                           r"does not fit: 0 B of 1.0 MB \(--snapshot-replica-memory, by default --snapshot-memory\) held or "
+                           r"arriving; raise it\"$"):
             c.put("n", 1, 2, 2, checksum(part), memoryview(part))
         c.close()
     finally:

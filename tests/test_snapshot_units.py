@@ -152,10 +152,19 @@ def test_flags(tmp_path: Path) -> None:
     assert parse_args(["--snapshot-dir", "d", str(script)], environ={}).snapshot == ("disk",)
     assert parse_args([str(script)], environ={"ELASTICTK_SNAPSHOT": "local"}).snapshot == ("local",)
     assert parse_args(["--snapshot", "peer", str(script)], environ={}).snapshot == ("local", "peer")
+    tight = parse_args(["--snapshot", "peer", "--snapshot-replica-memory", "1G", str(script)], environ={})
+    assert (tight.snapshot_replica_memory, tight.warnings) == (10**9, ())
+    assert parse_args([str(script)], environ={"ELASTICTK_SNAPSHOT": "peer",
+                                              "ELASTICTK_SNAPSHOT_REPLICA_MEMORY": "2G"}).snapshot_replica_memory == 2 * 10**9
+    idle = parse_args(["--snapshot", "local", "--snapshot-replica-memory", "1G", str(script)], environ={})
+    assert idle.warnings == ("--snapshot-replica-memory bounds the peer tier's replicas, and the peer tier is "
+                             "off: add --snapshot local,peer",), "a flag that can do nothing says so"
     for bad, msg in ((["--snapshot", "remote"], "unknown tier 'remote'"),
                      (["--snapshot", "local,peer", "--snapshot-replicas", "0"], "at least 1"),
                      (["--snapshot", "disk"], "needs --snapshot-dir"),
                      (["--snapshot", "local", "--snapshot-memory", "lots"], "give bytes"),
+                     (["--snapshot", "peer", "--snapshot-replica-memory", "lots"], "--snapshot-replica-memory lots: give bytes"),
+                     (["--snapshot", "peer", "--snapshot-replica-memory", "1e30"], "more than this host's memory"),
                      (["--snapshot-dir", "d", "--snapshot-every", "0"], "at least 1")):
         with pytest.raises(UsageError, match=msg):
             parse_args([*bad, str(script)], environ={})

@@ -46,6 +46,7 @@ class AgentConfig:
     standby: bool = False  # in-place: a replacement is the preload server's warmed standby
     snapshot_memory: int | None = None  # the local snapshot tier: bytes of memfd this agent owns
     snapshot_replicas: int = 0  # the peer tier: other nodes holding each of this node's parts (0: off)
+    snapshot_replica_memory: int | None = None  # the peer tier's replicas' bound (None: snapshot_memory)
     metrics_registry: Any = None  # a prometheus CollectorRegistry: the peer tier's replica lag goes there
     # Whether run() returns only once its store-watching threads ended (each may sit up to a
     # heartbeat interval in a store wait). Needed where the process goes on or exits normally:

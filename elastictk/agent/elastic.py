@@ -110,7 +110,8 @@ class ElasticAgent:
         # The local snapshot tier: memory that outlives the workers and dies with this agent.
         snapshots = Holder(cfg.spec.local_world_size, cfg.snapshot_memory) if cfg.snapshot_memory else None
         self._peer = (PeerTier(snapshots, addr, cfg.rdzv.token, cfg.rdzv.job_id, cfg.snapshot_replicas,
-                               snapshots.memory) if snapshots is not None and cfg.snapshot_replicas else None)
+                               cfg.snapshot_replica_memory or snapshots.memory)
+                      if snapshots is not None and cfg.snapshot_replicas else None)
         if self._peer is not None and cfg.metrics_registry is not None:  # the replicas' lag, per rank
             cfg.metrics_registry.register(self._peer.collector())
         self.handler = RendezvousHandler(self.store, cfg.rdzv, node_id=self.node_id,

@@ -97,6 +97,7 @@ def build_agent(config: LaunchConfig, telemetry: Telemetry | None = None, *,
         recovery=Recovery(config.recovery), standby=config.standby,
         snapshot_memory=(config.snapshot_memory or default_memory()) if "local" in config.snapshot else None,
         snapshot_replicas=config.snapshot_replicas if "peer" in config.snapshot else 0,
+        snapshot_replica_memory=config.snapshot_replica_memory if "peer" in config.snapshot else None,
         metrics_registry=telemetry.registry if telemetry is not None and telemetry.metrics is not None else None,
         workers_store=workers_store,
     )

@@ -173,6 +173,11 @@ _OWN_FLAGS: list[tuple[tuple[str, ...], bool, str]] = [
     (("--snapshot-memory",), False,
      "bytes of shared memory the local tier may use on this node, all local ranks, e.g. 4G "
      "(default a quarter of the host's memory; used only as written)"),
+    (("--snapshot-replica-memory",), False,
+     "bytes the peer tier's replicas of other nodes' parts may map on this node, kept and "
+     "arriving (default --snapshot-memory: room for a whole replica while its successor arrives, "
+     "4x the state per node); sized for one replica (3x) a replica goes before its successor "
+     "arrives, and a node lost mid-send loses its state there (docs/snapshots.md)"),
     (("--preempt-signal",), False,
      "the signal that means the job is pre-empted (sbatch --signal=USR1@120): forwarded to the "
      "workers, which get --grace-period to end, then stopped; exit 75 (default USR1 under "

@@ -130,6 +130,7 @@ class LaunchConfig:
     snapshot_memory: int | None = None  # None: a quarter of this host's memory
     snapshot_overlap: bool = False  # pipelined commits (elastictk/snapshot/overlap.py)
     snapshot_replicas: int = 1  # the peer tier: other nodes holding each node's parts
+    snapshot_replica_memory: int | None = None  # the replicas' bound; None: snapshot_memory's
     # Slurm (docs/slurm.md): this node's rendezvous id (its Slurm name under srun; None: a
     # generated one); the signal that means "pre-empted" (None: off); requeue after it
     # (scontrol requeue); drain this node in Slurm when it is excluded or fails its check.
@@ -267,6 +268,8 @@ def _snapshot_problems(c: LaunchConfig) -> list[str]:
         out.append(f"snapshot every {c.snapshot_every}: at least 1 commit")
     if c.snapshot_memory is not None and c.snapshot_memory < MIN_REGION:
         out.append(f"snapshot memory {c.snapshot_memory}: at least {MIN_REGION} bytes")
+    if c.snapshot_replica_memory is not None and c.snapshot_replica_memory < MIN_REGION:
+        out.append(f"snapshot replica memory {c.snapshot_replica_memory}: at least {MIN_REGION} bytes")
     return out
 
 

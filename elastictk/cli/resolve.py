@@ -364,7 +364,8 @@ def _health_check(raw: str | None, where: str) -> str | None:
 
 
 def _snapshots(c: Flags) -> dict[str, Any]:
-    """``--snapshot``, ``--snapshot-dir``, ``--snapshot-every``, ``--snapshot-memory``."""
+    """``--snapshot``, ``--snapshot-dir``, ``--snapshot-every``, ``--snapshot-memory`` and the
+    peer tier's ``--snapshot-replicas`` and ``--snapshot-replica-memory``."""
     ns = c.ns
     try:
         tiers = (parse_tiers(ns.snapshot, c.at("snapshot", "--snapshot"))
@@ -380,6 +381,9 @@ def _snapshots(c: Flags) -> dict[str, Any]:
                    and parse_bool(ns.snapshot_overlap, c.at("snapshot_overlap", "--snapshot-overlap")))
         replicas = (1 if ns.snapshot_replicas is None
                     else parse_replicas(ns.snapshot_replicas, c.at("snapshot_replicas", "--snapshot-replicas")))
+        replica_memory = (None if ns.snapshot_replica_memory is None
+                          else parse_bytes(ns.snapshot_replica_memory,
+                                           c.at("snapshot_replica_memory", "--snapshot-replica-memory")))
     except SettingsError as e:
         raise UsageError(str(e)) from None
     if ns.snapshot_every is not None and "disk" not in tiers:
@@ -389,13 +393,16 @@ def _snapshots(c: Flags) -> dict[str, Any]:
         c.warnings.append("--snapshot-memory bounds the local tier, which is off: add --snapshot local")
     if ns.snapshot_replicas is not None and "peer" not in tiers:
         c.warnings.append("--snapshot-replicas applies to the peer tier, which is off: add --snapshot local,peer")
+    if replica_memory is not None and "peer" not in tiers:
+        c.warnings.append("--snapshot-replica-memory bounds the peer tier's replicas, and the peer tier is off: "
+                          "add --snapshot local,peer")
     if overlap and not tiers:
         c.warnings.append("--snapshot-overlap pipelines snapshot commits, and no tier is on: add "
                           "--snapshot local")
     if directory:
         directory = os.path.abspath(directory)
     return dict(snapshot=tiers, snapshot_dir=directory, snapshot_every=every, snapshot_memory=memory,
-                snapshot_overlap=overlap, snapshot_replicas=replicas)
+                snapshot_overlap=overlap, snapshot_replicas=replicas, snapshot_replica_memory=replica_memory)
 
 
 def _grace_period(

@@ -60,15 +60,19 @@ class PeerTier:
 
     def __init__(self, holder: Holder, host: str, token: Optional[str], job: str, replicas: int,
                  memory: int) -> None:
+        """``memory``: the replicas' bound (``--snapshot-replica-memory``, by default the local
+        tier's ``--snapshot-memory``)."""
         self.key = token.encode() if token else None
         self.job, self.count = job, replicas
-        self.replicas = Replicas(memory, hold=self._holding)
+        self._warned: set[str] = set()
+        self._sources: set[tuple[str, str]] = set()  # (origin, address) this round ships to us from
+        self.replicas = Replicas(memory, hold=self._holding, warn=self._warn,
+                                 sender=lambda origin, peer: (origin, peer) in self._sources)
         self.server = PeerServer(host, self.replicas, self.key, job, on_kept=self._kept, local=self._local_index)
         self.regions = [Region(holder.path, lr, holder.region, holder.memory, holder.n)
                         for lr in range(holder.n)]
         self.lag = ReplicaLag()
         self._previous: set[str] = set()
-        self._warned: set[str] = set()
         self._ship = Replicator(self.regions, self.replicas, self.lag, self._connect_put, self._warn,
                                 rate=_test_rate())
 
@@ -138,6 +142,8 @@ class PeerTier:
             ends.append(None if where is None else (m.node_id, *where))
         pos = next(i for i, m in enumerate(members) if m.node_id == node_id)
         targets = [e for p in ring_targets(pos, len(members), self.count) if (e := ends[p]) is not None]
+        self._sources = {(e[0], e[1]) for i, e in enumerate(ends)
+                         if e is not None and pos in ring_targets(i, len(members), self.count)}
         senders = sum(1 for e in ends if e is not None) if len(members) > 1 else 0
         keys = self._round_keys(store, node_id, senders)
         self._ship.aim(node_id, targets, keys, paused=prefetch)

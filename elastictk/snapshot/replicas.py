@@ -13,12 +13,16 @@ new step are still on their way leaves their older step whole everywhere, for th
 agree on. So a node holds its two local slots and one replica at rest, 3x the state, and 4x from
 the start of an arrival until every node's part of that step is whole; a third part arriving
 for the same rank drops the oldest first, so never more. The bytes of all replicas, kept and
-arriving, stay within ``--snapshot-memory`` at every instant (the one about to be superseded
-counts until it goes), and the replicas are counted too, not only their bytes (at most
+arriving, stay within ``--snapshot-replica-memory`` (by default ``--snapshot-memory``) at every
+instant (the one about to be superseded counts until it goes). A bound that holds one part of a
+rank but not two (set for 3x per node) makes the kept replica go *before* its successor
+arrives, said once per sender: until the new part is whole this node holds none of that rank,
+the price of the fourth copy saved. The replicas are counted too, not only their bytes (at most
 :data:`MAX_REPLICAS`; a part of zero bytes is refused before it gets here). One peer (one sender
 address) may hold at most :data:`MAX_PEER_REPLICAS` of them and have at most half the memory
-bound reserved for parts still arriving (:data:`PEER_INFLIGHT`), so a token holder who reserves
-parts and trickles their bytes leaves room for honest ones. A replica that does not fit is
+bound reserved for parts still arriving (:data:`PEER_INFLIGHT`; the round's ring sender of an
+origin, one part at a time, more), so a token holder who reserves parts and trickles their
+bytes leaves room for honest ones. A replica that does not fit is
 refused in one line by the caller. A replica in use by a sender is closed only once the send is
 done.
 
@@ -105,9 +109,18 @@ class Replicas:
     step is whole everywhere (:meth:`settle`); without it (or while it says no) it goes at once."""
 
     def __init__(self, budget: int, max_replicas: int = MAX_REPLICAS,
-                 max_peer_replicas: int = MAX_PEER_REPLICAS, hold: Optional[Callable[[], bool]] = None) -> None:
+                 max_peer_replicas: int = MAX_PEER_REPLICAS, hold: Optional[Callable[[], bool]] = None,
+                 warn: Optional[Callable[[str, str], None]] = None,
+                 sender: Optional[Callable[[str, str], bool]] = None) -> None:
+        """``warn(cause, line)``: said once per cause (the peer tier's), for a bound so tight that
+        a replica goes before its successor arrives. ``sender(origin, peer)``: whether ``peer``
+        (an address) is where this round's ring has ``origin`` ship its parts to this node
+        from; such a sender's part, alone in flight, may take more than half of the bound."""
         self.budget, self.max_replicas, self.max_peer_replicas = budget, max_replicas, max_peer_replicas
         self.hold = hold
+        self.warn = warn
+        self.sender = sender
+        self.tight = 0  # replicas dropped before their successor arrived, for want of room
         self._lock = threading.Lock()
         self._held: dict[Key, Replica] = {}
         self._pending: set[Replica] = set()
@@ -130,6 +143,7 @@ class Replicas:
             raise ValueError(f"a replica of {length} bytes")
         with self._lock:
             self._make_room(key)
+            self._make_tight_room(key, length)
             self._check_limits(key, length, peer)
             mm = mmap.mmap(-1, max(length, 1))  # MAP_SHARED|MAP_ANONYMOUS: shmem, no descriptor
             rep = Replica(key, digest, length, mm, peer)
@@ -148,15 +162,39 @@ class Replicas:
         for k in mine[:max(len(mine) + len(newer) + arriving + 1 - KEEP, 0)]:
             self._drop(k)
 
+    def _make_tight_room(self, key: Key, length: int) -> None:
+        """A bound that holds one part of a rank but not two (``--snapshot-replica-memory`` sized
+        for one replica: 3x the state per node): the replica this part supersedes goes before it
+        arrives, so it fits, and one line says what that costs. Under the lock."""
+        mine = older(self._held, key)
+        if not mine or self.used() + length <= self.budget:
+            return
+        freed = sum(self._held[k].length for k in mine)
+        if self.used() - freed + length > self.budget:
+            return  # it would not fit either way: refused by the byte check, in its own line
+        need = self.used() + length  # to keep them beside it
+        for k in mine:
+            self._drop(k)
+        self.tight += 1
+        if self.warn is not None:
+            self.warn(f"tight {key.origin}", (
+                f"the replica of rank {key.rank}'s step {mine[-1].step} from {key.origin} was dropped "
+                f"before step {key.step} arrives: {human(self.budget)} of replica memory holds one "
+                f"part of it ({human(length)}), not two; until the new part is whole this node "
+                "holds no replica of that rank, so a sender lost mid-send loses its state here; "
+                f"for a whole replica throughout give --snapshot-replica-memory at least "
+                f"{human(need)}"))
+
     def _check_limits(self, key: Key, length: int, peer: str) -> None:
         """:class:`NoRoom` unless a reservation for ``key`` fits every limit. Bytes and counts are
         strict: a replica about to be superseded still counts until it is dropped (it still holds
         its mapping until the new one is whole), so the replicas' mapped bytes never pass
-        ``--snapshot-memory``, also while one arrives beside the one it replaces."""
+        their bound, also while one arrives beside the one it replaces."""
         if self.used() + length > self.budget:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) does "
                          f"not fit: {human(self.used())} of {human(self.budget)} "
-                         "(--snapshot-memory) held or arriving; raise --snapshot-memory")
+                         "(--snapshot-replica-memory, by default --snapshot-memory) held or arriving; "
+                         "raise it")
         if len(self._held) + len(self._pending) >= self.max_replicas:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} refused: {self.max_replicas} "
                          "replicas held or arriving already (the most this agent keeps)")
@@ -166,10 +204,14 @@ class Replicas:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} refused: {peer or 'this peer'} "
                          f"holds {self.max_peer_replicas} replicas here already (the most one peer may)")
         inflight = sum(r.length for r in arriving)
-        if inflight + length > self.budget * PEER_INFLIGHT:
+        # The ring's sender of this origin, one part at a time, may take more than half (a node
+        # of one rank under a bound of one part): the limit is on any other peer reserving
+        # parts and trickling their bytes.
+        ring = not arriving and self.sender is not None and self.sender(key.origin, peer)
+        if not ring and inflight + length > self.budget * PEER_INFLIGHT:
             raise NoRoom(f"a replica of rank {key.rank}'s step {key.step} ({human(length)}) refused: "
                          f"{peer or 'this peer'} has {human(inflight)} arriving already, and one peer may "
-                         f"have at most half of --snapshot-memory ({human(self.budget)}) arriving")
+                         f"have at most half of the replicas' bound ({human(self.budget)}) arriving")
 
     def keep(self, rep: Replica) -> list[Key]:
         """Make a received, verified replica available; the keys it dropped. The older replica

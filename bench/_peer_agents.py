@@ -60,6 +60,7 @@ def _answer(obj: dict[str, Any]) -> None:
 
 def main() -> None:
     memory = int(sys.argv[1])
+    replica_memory = int(sys.argv[2]) if len(sys.argv) > 2 else memory  # --snapshot-replica-memory
     holders: list[Holder] = []
     tiers: list[PeerTier] = []
     try:
@@ -67,7 +68,7 @@ def main() -> None:
             cmd = line.strip()
             if cmd == "start":
                 holders += [Holder(1, memory), Holder(1, memory)]
-                tiers += [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, memory) for h in holders]
+                tiers += [PeerTier(h, "127.0.0.1", TOKEN, JOB, 1, replica_memory) for h in holders]
                 a, b = _Member("A", 1, tiers[0]), _Member("B", 0, tiers[1])
                 # One process in the bench, so the parts are rank 0's of a world of 1; B is
                 # group rank 0 and A group rank 1, so A's ring neighbour is B.
@@ -110,8 +111,10 @@ def main() -> None:
 class Agents:
     """The bench's handle on that process."""
 
-    def __init__(self, memory: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench._peer_agents", str(memory)],
+    def __init__(self, memory: int, replica_memory: Optional[int] = None) -> None:
+        """``replica_memory``: the replicas' own bound (``--snapshot-replica-memory``)."""
+        extra = [] if replica_memory is None else [str(replica_memory)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench._peer_agents", str(memory), *extra],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lock = threading.Lock()  # the memory sampler asks from a thread of its own
 

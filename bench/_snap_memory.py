@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from ._peer_agents import Agents, _rss
 
@@ -97,19 +97,23 @@ def line(m: dict[str, Any]) -> str:
             f"reached step {m['replicated']} of {m['committed']}")
 
 
-def table(memory: dict[int, dict[str, Any]]) -> str:
-    """The peaks of every size as a markdown table (multiples of the state in brackets)."""
+def table(memory: dict[int, dict[str, Any]], tight: Optional[dict[int, dict[str, Any]]] = None) -> str:
+    """The peaks of every size as a markdown table (multiples of the state in brackets);
+    ``tight``: the same runs with the replicas bounded to one part (``--snapshot-replica-memory``)."""
     head = ("Peak memory per node over a run committing every step (local+peer, pipelined; "
-            "before each size's timed rows), and the replica's lag:\n\n"
+            "before each size's timed rows), and the replica's lag; \"one part\": the replicas "
+            "bounded to one part by `--snapshot-replica-memory` (1.5x the state), so the kept "
+            "replica goes before its successor arrives:\n\n"
             "| state | snapshot memory (local + replica) | local tier | replicas | worker RSS "
             "anonymous + shared | agents' RSS anonymous | whole node (RSS + shared, agent and worker) "
             "| replica lag, most steps | replicas whole / torn |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for s, m in memory.items():
+    runs = [(s, m, "") for s, m in memory.items()] + [(s, m, ", one part") for s, m in (tight or {}).items()]
+    for s, m, label in sorted(runs, key=lambda r: (r[0], r[2])):
         def x(k: str) -> str:
             return f"{m[k] / 1e6:,.0f} MB ({m[k] / s:.2f}x)"
         a = m.get("arrivals", {})
-        rows.append(f"| {s // 10**6} MB | {x('snapshot')} | {x('local')} | {x('replicas')} | "
+        rows.append(f"| {s // 10**6} MB{label} | {x('snapshot')} | {x('local')} | {x('replicas')} | "
                     f"{m['worker_anon'] / 1e6:,.0f} + {m['worker_shmem'] / 1e6:,.0f} MB | "
                     f"{m['agents_anon'] / 1e6:,.0f} MB | {x('node')} | {m.get('lag_steps', 0)} | "
                     f"{a.get('whole', '?')} / {a.get('torn', '?')} |")

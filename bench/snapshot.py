@@ -135,6 +135,7 @@ def run(cfg: RunConfig) -> BenchResult:
     rows: list[Comparison] = []
     overhead: dict[int, dict[str, float]] = {}
     memory: dict[int, dict[str, Any]] = {}
+    tight: dict[int, dict[str, Any]] = {}  # the same, the replicas bounded to one part
     arrivals: dict[int, dict[str, dict[str, int]]] = {}  # per size, per run: replicas whole and torn
     samples: dict[int, tuple[int, int]] = {}  # per size: steps per sample, rounds
     running: list[Any] = []  # the agents' processes, closed however the run ends
@@ -152,7 +153,16 @@ def run(cfg: RunConfig) -> BenchResult:
             finally:
                 mem_agents.close()
             cfg.log(_snap_memory.line(memory[size]))
-            arrivals[size] = {"memory": memory[size]["arrivals"]}
+            # The same with the replicas bounded to one part (--snapshot-replica-memory): 3x.
+            tight_agents = Agents(2 * size + 64 * MB, replica_memory=size * 3 // 2)
+            running.append(tight_agents)
+            try:
+                tight_env = tight_agents.ask("start")
+                tight[size] = _snap_memory.measure(size, tight_agents, {**tight_env, ENV_TIERS: "local"})
+            finally:
+                tight_agents.close()
+            cfg.log("--snapshot-replica-memory of one part: " + _snap_memory.line(tight[size]))
+            arrivals[size] = {"memory": memory[size]["arrivals"], "memory, one part": tight[size]["arrivals"]}
             steps, rounds = _samples(size, cfg.quick)
             samples[size] = (steps, rounds)
             holder = Holder(1, 2 * size + 64 * MB)
@@ -339,7 +349,7 @@ def run(cfg: RunConfig) -> BenchResult:
              *_target(overhead), _samples_note(samples), verdict(arrivals)[1],
              *[_snap_memory.line(m) for m in memory.values()]]
     cfg.log(verdict(arrivals)[1])
-    description = ((__doc__ or "").split("\n", 1)[1].strip() + "\n\n" + _snap_memory.table(memory)
+    description = ((__doc__ or "").split("\n", 1)[1].strip() + "\n\n" + _snap_memory.table(memory, tight)
                    + "\n\nMedians in ms of each size's interleaved samples follow.")
     return BenchResult(
         name="snapshot", title=TITLE, description=description,
@@ -348,7 +358,8 @@ def run(cfg: RunConfig) -> BenchResult:
                 "samples": {str(k // MB): {"steps": v[0], "rounds": v[1]} for k, v in samples.items()},
                 "step_s": STEP_S, "quick": cfg.quick, "replicas_ok": verdict(arrivals)[0],
                 "arrivals": {str(k // MB): v for k, v in arrivals.items()},
-                "memory_per_node": {str(k // MB): v for k, v in memory.items()}},
+                "memory_per_node": {str(k // MB): v for k, v in memory.items()},
+                "memory_per_node_one_replica_part": {str(k // MB): v for k, v in tight.items()}},
     )
 
 

@@ -48,3 +48,7 @@ def test_the_memory_table_names_peaks_lag_and_arrivals() -> None:
     row = table.splitlines()[-1]
     assert row == ("| 10 MB | 40 MB (4.00x) | 20 MB (2.00x) | 20 MB (2.00x) | 237 + 20 MB | 12 MB | "
                    "289 MB (28.90x) | 2 | 30 / 0 |")
+    tight = {**m, "snapshot": 30 * MB, "replicas": 10 * MB, "node": 279 * MB, "arrivals": {"whole": 29, "torn": 0}}
+    rows = _snap_memory.table({10 * MB: m}, {10 * MB: tight}).splitlines()[-2:]
+    assert rows[0] == row and rows[1] == ("| 10 MB, one part | 30 MB (3.00x) | 20 MB (2.00x) | 10 MB (1.00x) | "
+                                          "237 + 20 MB | 12 MB | 279 MB (27.90x) | 2 | 29 / 0 |")

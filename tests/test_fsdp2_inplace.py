@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastictk.inplace.fsdp import Rebuilt
+from tests.helpers.unformed import unformed_reports
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
@@ -107,8 +108,7 @@ def launch(tmp: Path, tag: str, *flags: str, env: dict[str, str] | None = None,
     path = work / "record.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     # A generation that never formed: where each worker was, for the failure message's tail.
-    unformed = "".join(f"\n{p.read_text()}" for p in (work / "logs").rglob("inplace_unformed.txt"))
-    return proc.returncode, proc.stdout + proc.stderr + unformed, recs
+    return proc.returncode, proc.stdout + proc.stderr + unformed_reports(work / "logs"), recs
 
 
 def final(work: Path) -> dict:

@@ -16,6 +16,7 @@ import pytest
 
 from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.forkserver import PreloadServer
+from tests.helpers.unformed import unformed_reports
 from elastictk.supervisor.forkwarm import script_imports
 from elastictk.supervisor.group import WorkerGroup
 from elastictk.supervisor.spec import Std, WorkerSpec, python_script_argv
@@ -230,7 +231,8 @@ def run_job(tmp_path: Path, standby: str) -> tuple[int, str, list[dict]]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "WANT_STANDBY": standby})
     notes = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, notes
+    # A generation that never formed: where each worker was, at the failure output's tail.
+    return proc.returncode, proc.stdout + proc.stderr + unformed_reports(tmp_path / "logs"), notes
 
 
 def test_in_place_recovery_resumes_on_the_standby_and_the_job_leaves_none(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from elastictk.agent.rankstacks import pyspy_path
 from elastictk.agent.unformed import REPORT, joined_count, summary
-from elastictk.inplace.protocol import joined_key, ready_key, ready_value
+from elastictk.inplace.protocol import ENV_FIRST_GEN, joined_key, ready_key, ready_value
 from elastictk.store import FileStore, TCPStore
 from elastictk.agent.inplace import InPlaceRound
 from elastictk.agent.inplace_host import Setup
@@ -118,6 +118,21 @@ def test_a_generation_that_never_forms_falls_back_with_how_far_it_got_and_every_
 
 def test_an_unreadable_joined_count_is_named_as_such() -> None:
     assert summary(3, joined_count(b"not a number"), 4) == "an unreadable count of 4 ranks had joined generation 3"
-    assert summary(3, joined_count(None), 4).startswith("an unreadable count")
+    assert summary(3, joined_count(None), 4) == "0 of 4 ranks had joined generation 3"  # nobody added yet
     assert summary(3, joined_count(b"-1"), 4).startswith("an unreadable count")
     assert summary(3, joined_count(b"2"), 4) == "2 of 4 ranks had joined generation 3"
+
+
+def test_a_replacement_waits_for_the_generation_about_to_be_published(tmp_path: Path) -> None:
+    """A replacement (a standby is quick) may look for its generation before the agent's thread
+    has published it: its first generation is the new one, so it waits for that record and
+    never joins the round's older generation, whose group is gone. Red before: it got the
+    round's first generation (0), joined generation 0 on a loaded host and dialled the
+    survivor's closed gen-0 listener while the survivor waited for it in generation 1."""
+    with round_of_two(tmp_path, max_restarts=2) as (group, rnd, events):
+        group.signal_one(1, signal.SIGKILL)
+        assert rnd.on_failures(group.wait_any(timeout=30)) and rnd.pending == 1
+        pid = group.pids()[1]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert env.get(ENV_FIRST_GEN.encode()) == b"1", env.get(ENV_FIRST_GEN.encode())

@@ -525,6 +525,17 @@ SLOW_STEPS = 80  # the job's length when its sends are slow: the host is lost ne
 PART = 2200  # bytes of this job's part, about (model, momentum, step, each rank's tensor)
 
 
+def _peer_story(r: dict[str, Any]) -> str:
+    """Each host's snapshot lines (cadence, sends, fetches, restores), for a failure message that
+    says what the peer tier did rather than a log's last lines."""
+    def lines(text: str) -> str:
+        keep = [ln for ln in text.splitlines()
+                if any(w in ln for w in ("snapshot", "restored", "ships every", "replica", "fetch", "exit code"))]
+        return "\n".join(keep)[-3000:]
+    return "\n".join(f"--- {name}\n{lines(r[key])}" for name, key in
+                     (("host 0", "err0"), ("host 1 (killed)", "err1"), ("host 2 (spare)", "err2")))
+
+
 def test_a_host_lost_while_the_job_commits_and_its_sends_are_slower_than_the_steps_restores_from_its_replica(
         tmp_path: Path) -> None:
     """Each send takes ~1.8 s (host 1) and ~2.2 s (host 0) against steps of ~0.15 s, and the ranks
@@ -546,7 +557,9 @@ def test_a_host_lost_while_the_job_commits_and_its_sends_are_slower_than_the_ste
     assert "torn" not in r["err0"] + r["err1"] + r["err2"], logs[-4000:]
     replica = max(x.step for x in r["held"] if x.rank == 1)
     restored = {x: int(v) if v.isdigit() else v for x, v in r["restored"].items()}
-    assert restored[0] == restored[1] == replica, (restored, r["held"], logs[-4000:])
+    assert restored[0] == restored[1] == replica, (
+        f"restored {restored}, host 0 held {r['held']} when host 1 was killed after step {r['killed_at']}\n"
+        + _peer_story(r))
     said = [int(k) for k in re.findall(r"ships every (\d+)\w\w step", r["err1"])]
     assert said, "the cadence was raised: " + r["err1"][-3000:]
     k = max(said)

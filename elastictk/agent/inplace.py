@@ -300,8 +300,13 @@ class InPlaceRound:
         gen = self.gen + 1
         try:
             for r in failed:
+                # Its first generation is the one about to be published: a replacement that starts
+                # before the record is there (a standby is quick, the agent's thread may wait for
+                # the CPU) must wait for it, not join the round's older generation, whose group
+                # is gone (it would dial the survivors' closed listeners while they wait for it
+                # in the new one).
                 pids[r.local_rank] = self.group.respawn(r.local_rank, decision.restart_count,
-                                                        f"gen_{gen}")
+                                                        f"gen_{gen}", env={ENV_FIRST_GEN: str(gen)})
         except Exception as e:  # noqa: BLE001 - any start failure means: restart everything
             self.emit(EventKind.INPLACE_FALLBACK, reason=f"cannot start a replacement: {e}")
             return False

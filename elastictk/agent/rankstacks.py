@@ -87,7 +87,7 @@ def pyspy_path() -> Optional[str]:
     return str(here) if here.exists() else shutil.which("py-spy")
 
 
-def pyspy_dump(pid: int, *, stopped: bool) -> tuple[str, str]:
+def pyspy_dump(pid: int, *, stopped: bool, native: bool = False) -> tuple[str, str]:
     """``py-spy dump`` of ``pid``: (text, "") or ("", one line saying why there is none).
 
     A stopped process cannot be suspended by ptrace the usual way, so it is read without
@@ -98,6 +98,8 @@ def pyspy_dump(pid: int, *, stopped: bool) -> tuple[str, str]:
     if exe is None:
         return "", "stacks not available: py-spy is not installed (pip install py-spy)"
     tries = [["--nonblocking"]] if stopped else [[], ["--nonblocking"]]
+    if native and not stopped:  # the C++ frames too (a backend's connect, a store wait); else without
+        tries = [["--native"], *tries]
     why = ""
     for extra in tries:
         try:

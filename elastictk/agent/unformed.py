@@ -5,8 +5,8 @@ restart-all, which kills the workers: whatever kept them from forming (a replace
 an import, a survivor in a backend call, a connect that never completed) goes with them. So
 before the fallback the agent writes ``inplace_unformed.txt`` in the attempt's log directory:
 how many ranks had joined the generation (its ``joined`` counter) and each local worker's
-``/proc`` state and Python stacks (py-spy pauses it for a moment; a process it cannot read is
-named with why), and the fallback's line points at it. Like the hang report, this is this
+``/proc`` state and stacks, Python and native (py-spy pauses it for a moment: a backend's
+connect loop or a store wait shows; a process it cannot read is named with why), and the fallback's line points at it. Like the hang report, this is this
 node's view; each node's agent writes its own.
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ REPORT = "inplace_unformed.txt"
 
 
 def joined_count(raw: Optional[bytes]) -> Optional[int]:
-    """The generation's ``joined`` counter (a store ``add``), None when absent or not a count."""
+    """The generation's ``joined`` counter (a store ``add``; absent: nobody joined yet), None
+    when it is not a count."""
     if raw is None:
-        return None
+        return 0
     try:
         n = int(raw)
     except ValueError:
@@ -48,7 +49,7 @@ def report_unformed(report_dir: Optional[Path], gen: int, joined: Optional[int],
     lines = [f"in-place generation {gen} not ready within {waited} on {socket.gethostname()}: "
              f"{summary(gen, joined, world)}; falling back to restart-all", ""]
     for lr, pid in sorted(pids.items()):
-        text, why = pyspy_dump(pid, stopped=proc_state(pid) in ("T", "t"))
+        text, why = pyspy_dump(pid, stopped=proc_state(pid) in ("T", "t"), native=True)
         where = where_pyspy(text) if text else None
         lines += [f"== rank {ranks.get(lr, lr)} (local {lr}, pid {pid}, state {proc_state(pid)})"
                   f"{', at ' + where if where else ''}; stacks from {'py-spy' if text else why}",

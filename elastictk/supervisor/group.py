@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from .env import Assignment
 from .escalate import KILL_WAIT, escalate
@@ -159,12 +159,13 @@ class WorkerGroup:
             self.stop(grace=0)
             raise
 
-    def respawn(self, local_rank: int, restart_count: int, tag: str) -> int:
+    def respawn(self, local_rank: int, restart_count: int, tag: str,
+                env: Optional[Mapping[str, str]] = None) -> int:
         """Start a new worker for ``local_rank``, whose exit was observed, within the open
         attempt (in-place recovery: the other workers keep running). Its logs go to
         ``attempt_<n>/<tag>/<local_rank>/`` (with ``logs_specs``, where its ``reify`` puts a
         worker with this restart count, appended to); it sees
-        ``TORCHELASTIC_RESTART_COUNT=restart_count``.
+        ``TORCHELASTIC_RESTART_COUNT=restart_count`` and ``env`` over the group's environment.
         The old result moves to :attr:`replaced`. Returns the new pid.
         """
         if not self._open or local_rank not in self._results:
@@ -175,7 +176,7 @@ class WorkerGroup:
 
         self._assignment = replace(self._assignment, restart_count=restart_count)
         self.replaced.append(self._results.pop(local_rank))
-        env = self._logs.open(self._assignment, [local_rank], self._extra_env, tag)[local_rank]
+        env = {**self._logs.open(self._assignment, [local_rank], self._extra_env, tag)[local_rank], **(env or {})}
         logs = self._logs.ranks[local_rank]
         try:
             w = self._workers[local_rank] = self._start_one(local_rank, env,

@@ -6,8 +6,9 @@ an import, a survivor in a backend call, a connect that never completed) goes wi
 before the fallback the agent writes ``inplace_unformed.txt`` in the attempt's log directory:
 how many ranks had joined the generation (its ``joined`` counter) and each local worker's
 ``/proc`` state and stacks, Python and native (py-spy pauses it for a moment: a backend's
-connect loop or a store wait shows; a process it cannot read is named with why), and the fallback's line points at it. Like the hang report, this is this
-node's view; each node's agent writes its own.
+connect loop or a store wait shows; a process it cannot read is named with why), and the
+fallback's line points at it. Like the hang report, this is this node's view; each node's
+agent writes its own.
 """
 from __future__ import annotations
 

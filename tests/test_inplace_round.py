@@ -136,3 +136,21 @@ def test_a_replacement_waits_for_the_generation_about_to_be_published(tmp_path: 
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         assert env.get(ENV_FIRST_GEN.encode()) == b"1", env.get(ENV_FIRST_GEN.encode())
+
+
+def test_a_recovery_is_timed_from_when_its_replacements_began_to_start(tmp_path: Path) -> None:
+    """``took_ms`` (generation formed) counts from the replacements' start, so it includes
+    ``spawn_ms``: the recovery's restore phase is the difference. Red before: the deadline's
+    start reset the clock after the spawn, and a generation formed quickly read as formed
+    before its replacement had started (a restore phase of 0, the recovery short by the spawn)."""
+    with round_of_two(tmp_path, max_restarts=1) as (group, rnd, events):
+        group.signal_one(0, signal.SIGKILL)
+        assert rnd.on_failures(group.wait_any(timeout=30)) and rnd.pending == 1
+        rnd.store.set(ready_key(1), ready_value(time.time()))  # the workers formed it at once
+        deadline = time.monotonic() + 60
+        while not any(kind == "inplace_recovered" for kind, _ in events):
+            assert time.monotonic() < deadline and not rnd.poll(), events
+            time.sleep(0.01)
+        spawn = next(kw["spawn_ms"] for kind, kw in events if kind == "inplace_recovery")
+        took = next(kw["took_ms"] for kind, kw in events if kind == "inplace_recovered")
+        assert took >= spawn > 0, (spawn, took)

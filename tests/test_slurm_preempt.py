@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -21,10 +22,20 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "examples" / "slurm" / "train.py"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _env(job: str, bin_dir: Path | None = None) -> dict[str, str]:
+    """A one-node Slurm job's environment. The store's port is a free one (through the
+    environment, as a flag would be): Slurm's default, torchrun's 29400, is also another test's
+    loopback port, and two tests at once collided on it."""
     path = os.environ["PATH"] if bin_dir is None else f"{bin_dir}:{os.environ['PATH']}"
     return slurm_env(SLURM_JOB_ID=job, SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
-                     SLURMD_NODENAME="localhost", SLURM_PROCID="0", PATH=path)
+                     SLURMD_NODENAME="localhost", SLURM_PROCID="0", PATH=path,
+                     PET_RDZV_ENDPOINT=f"localhost:{_free_port()}")
 
 
 def _wait_for(path: Path, ok: Callable[[str], bool], proc: subprocess.Popen[str], timeout: float = 90) -> None:

@@ -323,9 +323,10 @@ class InPlaceRound:
             self._pending_kind = EventKind.INPLACE_RECOVERED
             self._ready.clear()
             self._errors.clear()
-            if self.deadline is None:
-                self._started(t0)
+            fresh = self.deadline is None
             self._begin_deadline()
+            if fresh:  # the recovery began as its replacements began to start, not now
+                self._started(t0)
         self.emit(EventKind.INPLACE_RECOVERY, generation=self.gen, restart_count=decision.restart_count,
                   replaced=pids, spawn_ms=spawn_ms,
                   standby=[lr for lr, pid in pids.items() if pid in self.group.from_standby])

@@ -237,6 +237,12 @@ def test_procfs_finds_every_descendant_and_its_command_line() -> None:
         grandchild = int(child.stdout.readline())
         below = procfs.descendants(os.getpid())
         assert {child.pid, grandchild} <= below
+        # The child may print the pid while the grandchild is still inside execve (a vfork'ed
+        # child wakes its parent before the new program's arguments are mapped): its command
+        # line reads empty until then.
+        until = time.monotonic() + 30
+        while procfs.cmdline(grandchild) == "" and time.monotonic() < until:
+            time.sleep(0.01)
         assert procfs.cmdline(grandchild) == "sleep 30"
         assert procfs.descendants(grandchild) == set()
     finally:

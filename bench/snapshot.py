@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .common import BenchResult, Comparison, Measured, RunConfig, interleaved
 
@@ -142,25 +142,25 @@ def run(cfg: RunConfig) -> BenchResult:
     saved = {k: os.environ.get(k) for k in (ENV_TIERS, ENV_DIR, ENV_EVERY, "ELASTICTK_SNAPSHOT_REGIONS",
                                              "ELASTICTK_SNAPSHOT_REGION_SIZE", "ELASTICTK_SNAPSHOT_MEMORY",
                                              ENV_NOTIFY)}
+
+    def memory_run(size: int, replica_memory: Optional[int] = None) -> dict[str, Any]:
+        """A worker committing every step, its agent shipping to a second one (whose replicas
+        ``replica_memory`` bounds): the peaks (:mod:`bench._snap_memory`)."""
+        agents = Agents(2 * size + 64 * MB, replica_memory=replica_memory)
+        running.append(agents)
+        try:
+            env = agents.ask("start")
+            return _snap_memory.measure(size, agents, {**env, ENV_TIERS: "local"})
+        finally:
+            agents.close()
+
     try:
         for size in sizes:
             # First, alone (nothing else of this size allocated yet): peak memory per node.
-            mem_agents = Agents(2 * size + 64 * MB)
-            running.append(mem_agents)
-            try:
-                mem_env = mem_agents.ask("start")
-                memory[size] = _snap_memory.measure(size, mem_agents, {**mem_env, ENV_TIERS: "local"})
-            finally:
-                mem_agents.close()
+            memory[size] = memory_run(size)
             cfg.log(_snap_memory.line(memory[size]))
             # The same with the replicas bounded to one part (--snapshot-replica-memory): 3x.
-            tight_agents = Agents(2 * size + 64 * MB, replica_memory=size * 3 // 2)
-            running.append(tight_agents)
-            try:
-                tight_env = tight_agents.ask("start")
-                tight[size] = _snap_memory.measure(size, tight_agents, {**tight_env, ENV_TIERS: "local"})
-            finally:
-                tight_agents.close()
+            tight[size] = memory_run(size, replica_memory=size * 3 // 2)
             cfg.log("--snapshot-replica-memory of one part: " + _snap_memory.line(tight[size]))
             arrivals[size] = {"memory": memory[size]["arrivals"], "memory, one part": tight[size]["arrivals"]}
             steps, rounds = _samples(size, cfg.quick)

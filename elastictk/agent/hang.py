@@ -159,14 +159,20 @@ def write_report(report_dir: Optional[Path], kind: str, timeout: float,
         lines += [f"== rank {i.rank} (local {lr}, pid {i.pid}, state {i.state}): {role}, "
                   f"{i.steps} steps, {i.idle_s:.1f}s without a step; stacks from {i.stacks_from}",
                   i.stacks.rstrip() or "(no stacks)", ""]
+    return save_report(report_dir, name, lines, "hang report")
+
+
+def save_report(report_dir: Path, name: str, lines: list[str], what: str) -> Optional[str]:
+    """Write a report's lines to ``report_dir/name``; its path, or None (one warning naming
+    ``what``) where it cannot be written."""
     try:
         report_dir.mkdir(parents=True, exist_ok=True)
         path = report_dir / name
         path.write_text("\n".join(lines))
         return str(path)
     except OSError as e:
-        log.warning("cannot write the hang report to %s: %s", report_dir, e)
+        log.warning("cannot write the %s to %s: %s", what, report_dir, e)
         return None
 
 
-__all__ = ["Hang", "RankState", "choose_culprits", "declare_frozen", "write_report"]
+__all__ = ["Hang", "RankState", "choose_culprits", "declare_frozen", "save_report", "write_report"]

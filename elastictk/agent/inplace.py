@@ -248,9 +248,11 @@ class InPlaceRound:
         nothing a stranger writes moves anybody."""
         return newest_sealed(self.sealer, lambda key: store.try_get(self.sealer.name(key)), self.gen)
 
-    def _begin_deadline(self, timeout: Optional[float] = None) -> None:
+    def _begin_deadline(self, timeout: Optional[float] = None, since: Optional[float] = None) -> None:
+        """Arm (or re-arm) the re-form deadline; a recovery not yet timed starts at ``since``
+        (monotonic; default now)."""
         if self.deadline is None:
-            self._started(time.monotonic())
+            self._started(time.monotonic() if since is None else since)
         self.deadline = BusyDeadline(self.reform_timeout if timeout is None else timeout)
 
     # -- what the agent's monitor calls -------------------------------------------------------
@@ -323,10 +325,7 @@ class InPlaceRound:
             self._pending_kind = EventKind.INPLACE_RECOVERED
             self._ready.clear()
             self._errors.clear()
-            fresh = self.deadline is None
-            self._begin_deadline()
-            if fresh:  # the recovery began as its replacements began to start, not now
-                self._started(t0)
+            self._begin_deadline(since=t0)  # the recovery began as its replacements began to start
         self.emit(EventKind.INPLACE_RECOVERY, generation=self.gen, restart_count=decision.restart_count,
                   replaced=pids, spawn_ms=spawn_ms,
                   standby=[lr for lr, pid in pids.items() if pid in self.group.from_standby])

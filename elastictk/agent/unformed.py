@@ -12,14 +12,12 @@ agent writes its own.
 """
 from __future__ import annotations
 
-import logging
 import socket
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .hang import save_report
 from .rankstacks import proc_state, pyspy_dump, where_pyspy
-
-log = logging.getLogger("elastictk.agent")
 
 REPORT = "inplace_unformed.txt"
 
@@ -50,19 +48,13 @@ def report_unformed(report_dir: Optional[Path], gen: int, joined: Optional[int],
     lines = [f"in-place generation {gen} not ready within {waited} on {socket.gethostname()}: "
              f"{summary(gen, joined, world)}; falling back to restart-all", ""]
     for lr, pid in sorted(pids.items()):
-        text, why = pyspy_dump(pid, stopped=proc_state(pid) in ("T", "t"), native=True)
+        state = proc_state(pid)
+        text, why = pyspy_dump(pid, stopped=state in ("T", "t"), native=True)
         where = where_pyspy(text) if text else None
-        lines += [f"== rank {ranks.get(lr, lr)} (local {lr}, pid {pid}, state {proc_state(pid)})"
+        lines += [f"== rank {ranks.get(lr, lr)} (local {lr}, pid {pid}, state {state})"
                   f"{', at ' + where if where else ''}; stacks from {'py-spy' if text else why}",
                   text.rstrip() or "(no stacks)", ""]
-    try:
-        report_dir.mkdir(parents=True, exist_ok=True)
-        path = report_dir / REPORT
-        path.write_text("\n".join(lines))
-        return str(path)
-    except OSError as e:
-        log.warning("cannot write the in-place report to %s: %s", report_dir, e)
-        return None
+    return save_report(report_dir, REPORT, lines, "in-place report")
 
 
 __all__ = ["REPORT", "joined_count", "report_unformed", "summary"]

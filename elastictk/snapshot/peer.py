@@ -101,7 +101,7 @@ class PeerServer:
         self._log.warn(cause, line)
 
     def connections(self) -> tuple[int, int]:
-        """(in the handshake, authenticated) connections open now."""
+        """(in the handshake, authenticated) connections open now (their descriptors too)."""
         with self._lock:
             return len(self._pending), len(self._peers)
 
@@ -190,10 +190,13 @@ class PeerServer:
         except Exception as e:  # noqa: BLE001 - whatever a peer sends ends its connection only
             self._warn(f"{type(e).__name__} {who}", f"connection from {who} ended: {type(e).__name__}: {e}")
         finally:
+            # Closed as it leaves the sets, in one step under the lock: connections() never
+            # counts a connection whose peer already saw it closed, nor misses one whose
+            # descriptor is still open (a TCP close without SO_LINGER does not block).
             with self._lock:
                 self._pending.pop(conn, None)
                 self._peers.pop(conn, None)
-            conn.close()
+                conn.close()
 
     def _full(self, who: str) -> Optional[str]:
         """Why an authenticated connection from ``who`` may not be served now (None: it may).

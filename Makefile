@@ -54,7 +54,7 @@ docs: install
 # Four test processes (pytest-xdist) on two cores, each taking whole files: most tests wait on
 # heartbeats, timeouts and real daemons, so with three the suite used about 1.5 of the 2 cores
 # (1,300-1,400 s of CPU; pytest 772 s and 911 s in two idle runs, at the 15-minute edge); with
-# four, 712 s idle (1,278 s of CPU), and the loaded run stays green (README, "Tests").
+# four, 712 to 1,014 s idle (1,278 s of CPU in the first), and the loaded run stays green (README).
 TEST_WORKERS ?= 4
 test: install debs check
 	@bt=$$(mktemp -d /tmp/elastictk-tests.XXXXXX); \

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from elastictk.agent.preempt import PREEMPTED_EXIT
 from elastictk.metrics.agent_metrics import STATES, AgentMetrics
+from elastictk.store import free_port
 from tests.test_slurm_defaults import _free_job_id
 from tests.test_slurm_preempt import _env, _wait_for
 
@@ -40,14 +40,8 @@ def _states(body: str) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_preempted_job_ends_in_the_preempted_state(tmp_path: Path) -> None:
-    started, events, port = tmp_path / "started", tmp_path / "events.jsonl", _free_port()
+    started, events, port = tmp_path / "started", tmp_path / "events.jsonl", free_port()
     script = tmp_path / "w.py"
     script.write_text("import signal, time\nsignal.signal(signal.SIGUSR2, signal.SIG_IGN)\n"
                       f"open({str(started)!r}, 'w').close()\ntime.sleep(120)\n")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -16,16 +15,11 @@ from typing import Callable
 import pytest
 
 from elastictk.agent.preempt import PREEMPTED_EXIT, newest_complete_step
+from elastictk.store import free_port
 from tests.test_slurm_defaults import _free_job_id, slurm_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "examples" / "slurm" / "train.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(job: str, bin_dir: Path | None = None) -> dict[str, str]:
@@ -35,7 +29,7 @@ def _env(job: str, bin_dir: Path | None = None) -> dict[str, str]:
     path = os.environ["PATH"] if bin_dir is None else f"{bin_dir}:{os.environ['PATH']}"
     return slurm_env(SLURM_JOB_ID=job, SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
                      SLURMD_NODENAME="localhost", SLURM_PROCID="0", PATH=path,
-                     PET_RDZV_ENDPOINT=f"localhost:{_free_port()}")
+                     PET_RDZV_ENDPOINT=f"localhost:{free_port()}")
 
 
 def _wait_for(path: Path, ok: Callable[[str], bool], proc: subprocess.Popen[str], timeout: float = 90) -> None:

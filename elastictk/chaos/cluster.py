@@ -32,6 +32,7 @@ from ..store import free_port
 from ..lifetime.reaper import dies_with_caller
 
 BACKENDS = ("c10d", "etcd")
+PORT_TRIES = 3  # node 0's starts on a fresh free port, under c10d (see Cluster._host_c10d)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Cluster:
         self.endpoint = ""
         self.incarnations: list[Incarnation] = []
         self.store_paused = False
+        self.retries: list[str] = []  # node-0 starts dropped because their port was taken
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, ready_timeout: float = 60.0) -> None:
@@ -78,13 +80,38 @@ class Cluster:
 
             self.etcd = EtcdServer(base_dir=self.out).start()
             self.endpoint = self.etcd.endpoint
+            self.spawn(0)
         else:
-            self.endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
-        first = self.spawn(0)
-        if self.backend == "c10d":  # node 0 binds the endpoint: the others join its store
-            self._await_rendezvous(first, ready_timeout)
+            self._host_c10d(ready_timeout)
         for i in range(1, self.nodes):
             self.spawn(i)
+
+    def _host_c10d(self, ready_timeout: float) -> None:
+        """Start node 0 on a free port, where it hosts the store, and wait for its rendezvous.
+
+        A free port is only free when it is picked: until node 0 binds it (its interpreter
+        starts first, seconds on a loaded host) another process may take it. Node 0 then
+        finds no TCPStore there and exits (exit 2, naming the endpoint), and the next node,
+        once the port was freed again, would host a smaller job in its place. So such a node 0
+        is dropped, its lines kept in :attr:`retries`, and started again on another port."""
+        for attempt in range(PORT_TRIES):
+            self.endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+            first = self.spawn(0)
+            self._await_rendezvous(first, ready_timeout)
+            if attempt + 1 == PORT_TRIES or not self._lost_its_port(first):
+                return
+            self.incarnations.remove(first)
+            self.retries.append(f"node 0 could not host the store at {self.endpoint} (the port was "
+                                f"taken after it was picked); started again on another port: "
+                                + "".join(first.err).strip()[-300:])
+
+    def _lost_its_port(self, inc: Incarnation) -> bool:
+        """Whether ``inc`` exited at its start because something else answered at the endpoint."""
+        if inc.proc.poll() is None or inc.proc.returncode != 2:
+            return False
+        for t in inc.readers:
+            t.join(10)
+        return f"cannot reach the TCPStore at {self.endpoint}" in "".join(inc.err)
 
     def argv(self, node: int, events: Path) -> list[str]:
         """Node ``node``'s ``python -m elastictk.run`` command line (the flags name the backend)."""

@@ -185,6 +185,7 @@ def _run_nodes(plan: Optional[FaultPlan], launcher_flags: Sequence[str], command
     rec.ended = time.monotonic()
     rec.exit_code = cluster.exit_code()
     rec.stdout, rec.stderr = cluster.stdout(), cluster.stderr()
+    rec.store_retries = list(cluster.retries)
     _refresh(rec, cluster, fault_log, nproc)
     rec.agents = [{"node": x.node, "agent": x.number, "pid": x.pid, "exit": x.proc.returncode,
                    "killed": x.killed} for x in cluster.incarnations]

@@ -66,6 +66,7 @@ class RunRecord:
     store_endpoint: str = ""
     agents: list[dict[str, Any]] = field(default_factory=list)
     rejoins: list[tuple[float, int]] = field(default_factory=list)
+    store_retries: list[str] = field(default_factory=list)  # node 0 started again: its port was taken
     finished_somewhere: bool = False
     clock: Optional[float] = None  # when time faults start counting: workers first ran (every node's)
 

@@ -63,6 +63,7 @@ def totals(rec: RunRecord, rows: list[FaultRow]) -> dict[str, Any]:
         "nodes": rec.nodes,
         "backend": rec.backend,
         "agents": rec.agents,
+        "store_retries": rec.store_retries,
         "faults_clock_s": None if rec.clock is None else rec.clock - rec.started,
         "stopped": rec.stopped or None,  # "timeout" or a signal name: the job did not end by itself
     }
@@ -204,6 +205,7 @@ def render(rows: list[FaultRow], tot: dict[str, Any], checks: list[Check]) -> st
             f" pid {a['pid']} " + ("killed" if a["killed"] else f"exit {a['exit']}") for a in tot["agents"])
             + ("" if tot["faults_clock_s"] is None else
                f"; planned times count from {tot['faults_clock_s']:.1f}s, when every node ran workers"))
+        out += [f"  {line}" for line in tot.get("store_retries", [])]
     elif tot.get("faults_clock_s") is not None:
         out.append(f"planned times count from {tot['faults_clock_s']:.1f}s, when the workers first ran")
     out += [f"  #{r.index} did not fire: {r.why}" for r in rows if not r.fired]

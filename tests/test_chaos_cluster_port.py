@@ -14,7 +14,7 @@ import pytest
 
 import elastictk.chaos.cluster as cluster_mod
 from elastictk.chaos.cluster import Cluster
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 
 
 class Squatter:
@@ -47,7 +47,7 @@ def test_node_0_whose_port_was_taken_starts_again_on_another(tmp_path: Path, mon
                                                              tries: int) -> None:
     squatter = Squatter()
     ports = iter([squatter.port])
-    monkeypatch.setattr(cluster_mod, "free_port", lambda host: next(ports, None) or free_port(host))
+    monkeypatch.setattr(cluster_mod, "quiet_port", lambda host: next(ports, None) or quiet_port(host))
     monkeypatch.setattr(cluster_mod, "PORT_TRIES", tries)  # 1: the start without the retry
     flags = ["--rdzv-backend", "c10d", "--nnodes", "1", "--nproc-per-node", "1",
              "--rdzv-conf", "read_timeout=20"]

@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from elastictk.cli import LaunchConfig, Std, UsageError, parse_args, validate
 from elastictk.cli.args import main_for_test
 from elastictk.cli.values import parse_filters, parse_nnodes, parse_rdzv_conf, parse_std
-from elastictk.store.endpoint import Endpoint, free_port
+from elastictk.store.endpoint import Endpoint, quiet_port
 
 SCRIPT = "train.py"
 _ENV_PREFIXES = ("PET_", "ELASTICTK_")
@@ -195,7 +195,7 @@ SAMPLES: list[list[str]] = [
 
 
 def _fill(argv: list[str], tmp: Path) -> list[str]:
-    port = str(free_port())
+    port = str(quiet_port())
     return [a.replace("{free}", port).replace("{tmp}", str(tmp)) for a in argv]
 
 

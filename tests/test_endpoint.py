@@ -53,3 +53,42 @@ def test_missing_port_without_default() -> None:
 def test_round_trip(host: str, port: int) -> None:
     ep = Endpoint(host, port)
     assert parse_endpoint(str(ep)) == ep
+
+
+def test_quiet_port_is_free_and_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the range no bind(0) or outgoing connect of another process can draw it between
+    the pick and a child's bind (a CI run lost a chaos node 0 to exactly that)."""
+    import socket
+
+    import elastictk.store.endpoint as ep
+
+    low = ep._ephemeral_low()
+    if low is None or low < 21000:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: quiet_port falls back to free_port")
+    picked = {ep.quiet_port() for _ in range(20)}
+    assert all(20000 <= p < low and p not in ep._DEFAULT_PORTS for p in picked), picked
+    assert len(picked) > 1, "one port every time: the pick is not random, two callers would collide"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", picked.pop()))  # free: bindable
+    # The failing side: free_port's own pick is inside the range.
+    assert ep.free_port() >= low
+    # A range that cannot be read: the plain free port, never an error.
+    monkeypatch.setattr(ep, "_ephemeral_low", lambda: None)
+    assert ep.quiet_port() >= low
+
+
+def test_quiet_port_skips_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import elastictk.store.endpoint as ep
+
+    if ep._ephemeral_low() is None:
+        pytest.skip("no ephemeral range to pick below")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws, real = iter([taken, 29400]), ep._rng.randrange
+        monkeypatch.setattr(ep._rng, "randrange", lambda a, b: next(draws, None) or real(a, b))
+        assert ep.quiet_port() not in (taken, 29400)
+        assert next(draws, None) is None, "the taken and the default port were never drawn"

@@ -32,7 +32,7 @@ import pytest
 from elastictk.cli.args import main_for_test
 from elastictk.rendezvous.auth import Signer
 from elastictk.rendezvous.sealed import Records
-from elastictk.store import PrefixStore, free_port
+from elastictk.store import PrefixStore, quiet_port
 from elastictk.store.tcp import TCPStore
 from tests.helpers.netns import Hosts, leftover_namespaces, netns_works
 from tests.test_multinode import ROOT, Job, by_world
@@ -221,7 +221,7 @@ def test_a_straggler_flagged_by_the_leader_is_excluded_and_the_job_finishes_with
     """Two agents of one gloo worker each; rank 1 spends 60 ms more of its own per step. The
     leader (group rank 0) names it and writes its node's sealed record; that node leaves, the
     other finishes alone; the excluded node's 60 s cooldown ends as soon as the job does."""
-    port, logs = free_port(), [tmp_path / "events0.jsonl", tmp_path / "events1.jsonl"]
+    port, logs = quiet_port(), [tmp_path / "events0.jsonl", tmp_path / "events1.jsonl"]
 
     def agent(log: Path) -> subprocess.Popen[str]:
         return subprocess.Popen(

@@ -20,7 +20,7 @@ from elastictk.agent.inplace_host import HOST_KEY, InPlaceHost, Setup
 from elastictk.agent.stragglers import StragglerWatch, key as straggle_key
 from elastictk.metrics.steps import WorkerStepsBlock
 from elastictk.rendezvous import MembershipWatch, RendezvousHandler, RendezvousStateError
-from elastictk.store import TCPStore, free_port
+from elastictk.store import TCPStore, quiet_port
 from tests.test_rendezvous import fast, infos, join_all, server  # noqa: F401 - fixture
 from tests.test_signed_records import agree_inplace
 
@@ -155,7 +155,7 @@ CONF = "last_call_timeout=0.3,heartbeat_interval=0.2,heartbeat_timeout=1,join_ti
 def test_a_token_job_runs_on_through_a_strangers_hostile_value(tmp_path: Path, where: str, value: bytes) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port, log = free_port(), tmp_path / "events.jsonl"
+    port, log = quiet_port(), tmp_path / "events.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTICTK_"))}
     agent = subprocess.Popen(
         [sys.executable, "-m", "elastictk.run", "--nnodes", "1:2", "--nproc-per-node", "1",

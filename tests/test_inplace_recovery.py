@@ -110,11 +110,11 @@ def test_a_plain_script_falls_back_to_restart_all(tmp_path: Path) -> None:
 def test_two_agents_replace_a_rank_on_one_node_while_the_other_keeps_running(tmp_path: Path) -> None:
     """Two agents on loopback: the agent whose worker died replaces it and publishes the next
     generation; the other agent's workers re-form with it and neither agent restarts."""
-    from elastictk.store import free_port
+    from elastictk.store import quiet_port
 
     ref_code, ref_out, _ = launch(tmp_path, "ref4", INPLACE, nproc=4)
     assert ref_code == 0, ref_out[-3000:]
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{quiet_port()}"
     record = tmp_path / "record.jsonl"
     conf = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=5,join_timeout=60"
     agents = [subprocess.Popen(

@@ -14,7 +14,7 @@ from elastictk.agent.coordination import restart_count
 from elastictk.agent.inplace import spend_restart
 from elastictk.agent.policy import RestartPolicy
 from elastictk.rendezvous import RendezvousHandler
-from elastictk.store import FileStore, free_port
+from elastictk.store import FileStore, quiet_port
 from tests.test_inplace_scaling import CONF, Job, check_samples, close_to, fault_free, final_weights
 from tests.test_rendezvous import fast
 
@@ -90,7 +90,7 @@ def test_two_nodes_with_a_token_recover_in_place_twice_then_fall_back(
     2), then the second replacement dies while its generation forms, so the agent falls back to
     restart-all on the charge already made. The budget reads 2 at the end on both nodes, no
     sealed record of the job's own is rejected, and the weights are a fault-free run's."""
-    endpoint = (f"127.0.0.1:{free_port()}" if backend == "c10d"
+    endpoint = (f"127.0.0.1:{quiet_port()}" if backend == "c10d"
                 else request.getfixturevalue("etcd_server").endpoint)
     rdzv = (backend, endpoint, f"tok-{backend}-{uuid.uuid4().hex[:8]}")
     os.environ["ELASTICTK_RDZV_TOKEN"] = TOKEN  # inherited by both agents (not by their workers)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from elastictk.agent.preempt import PREEMPTED_EXIT
 from elastictk.metrics.agent_metrics import STATES, AgentMetrics
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 from tests.test_slurm_defaults import _free_job_id
 from tests.test_slurm_preempt import _env, _wait_for
 
@@ -41,7 +41,7 @@ def _states(body: str) -> dict[str, float]:
 
 
 def test_preempted_job_ends_in_the_preempted_state(tmp_path: Path) -> None:
-    started, events, port = tmp_path / "started", tmp_path / "events.jsonl", free_port()
+    started, events, port = tmp_path / "started", tmp_path / "events.jsonl", quiet_port()
     script = tmp_path / "w.py"
     script.write_text("import signal, time\nsignal.signal(signal.SIGUSR2, signal.SIG_IGN)\n"
                       f"open({str(started)!r}, 'w').close()\ntime.sleep(120)\n")

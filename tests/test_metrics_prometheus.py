@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastictk.metrics import AgentMetrics, MetricsServer, read_events
-from elastictk.store.endpoint import free_port
+from elastictk.store.endpoint import quiet_port
 from elastictk.testing import PrometheusError, PrometheusNotInstalled, PrometheusServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +218,7 @@ def test_failed_job_fires_the_shipped_alert(tmp_path: Path, prometheus_binary: s
     Without the linger (--metrics-linger 0, what every failed job did before) the job exits at
     once, and the alert fires only if a scrape happened to land between the failure and the
     exit (a moment: usually none does, on a loaded machine sometimes one)."""
-    port = free_port("127.0.0.1")
+    port = quiet_port("127.0.0.1")
     with PrometheusServer([f"127.0.0.1:{port}"], rule_files=[RULES], base_dir=tmp_path) as prom:
         done, took = run_failing_job(tmp_path, port, linger)
         assert done.returncode == 1, done.stderr[-2000:]

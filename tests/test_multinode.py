@@ -17,7 +17,7 @@ from typing import Callable
 import psutil
 import pytest
 
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "helpers" / "agent_worker.py")
@@ -30,7 +30,7 @@ class Job:
     def __init__(self, tmp: Path, nnodes: str = "2:3", max_restarts: int = 0, backend: str = "c10d") -> None:
         self.out = tmp / "out"
         self.out.mkdir()
-        self.port = free_port()
+        self.port = quiet_port()
         self.backend = backend
         self.endpoint = str(tmp / "rdzv") if backend == "file" else f"127.0.0.1:{self.port}"
         self.nnodes, self.max_restarts = nnodes, max_restarts

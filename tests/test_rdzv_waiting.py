@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from elastictk.rendezvous.waiting import EVERY, FAST_FOR, FIRST_AFTER, LATER, WaitingReporter, waiting_line
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 
 LINE = re.compile(r"\[elastictk-run\] waiting for nodes: 1 of min 2 joined \(round 1\), 1 more needed; "
                   r"(\d+) s left of --rdzv-conf join_timeout; no other node has joined rdzv-id "
@@ -53,7 +53,7 @@ def _node(tmp: Path, port: int, script: Path) -> subprocess.Popen[str]:
 def test_a_node_waiting_for_a_late_one_says_so(tmp_path: Path) -> None:
     script = tmp_path / "tiny.py"
     script.write_text("print('tiny worker ran')\n")
-    port = free_port()
+    port = quiet_port()
     first = _node(tmp_path, port, script)
     lines: list[str] = []
     seen = threading.Event()

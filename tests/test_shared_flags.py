@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastictk.agent.shared_flags import mismatch, shared_flags
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path)
     # a job that trains a while: the mismatched node shuts it down; a job this node's workers
     # end before that shutdown reaches rank 0's node ends there with its own outcome (0)
     script.write_text("import time\ntime.sleep(120)\nprint('trained')\n")
-    port = free_port()
+    port = quiet_port()
     nodes = [_node(tmp_path, port, 3, True, script), _node(tmp_path, port, 1, False, script)]
     try:
         done = [n.communicate(timeout=240) for n in nodes]

@@ -62,14 +62,14 @@ def test_sigterm_while_the_group_starts_stops_it_at_once(tmp_path: Path) -> None
 def test_sigterm_while_waiting_for_other_nodes_ends_the_agent_at_once(tmp_path: Path) -> None:
     """A node waiting for peers that never come (--nnodes 2, one agent) acts on SIGTERM at once,
     not after the join timeout."""
-    from elastictk.store import free_port
+    from elastictk.store import quiet_port
 
     script = tmp_path / "w.py"
     script.write_text("import time; time.sleep(120)\n")
     events = tmp_path / "events.jsonl"
     agent = subprocess.Popen(
         [sys.executable, "-m", "elastictk.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port('127.0.0.1')}",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{quiet_port('127.0.0.1')}",
          "--rdzv-id", "lonely", "--event-log", str(events), "--log-dir", str(tmp_path / "logs"),
          str(script)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -123,12 +123,12 @@ def test_sigterm_during_the_restart_backoff_ends_the_agent_at_once(tmp_path: Pat
 def test_sigterm_in_the_exit_barrier_ends_the_agent_at_once(tmp_path: Path) -> None:
     """Node A's worker finished, node B's runs on: A waits in the exit barrier, and SIGTERM ends
     that wait at once (exit 128+15), not after the barrier's timeout."""
-    from elastictk.store import free_port
+    from elastictk.store import quiet_port
 
     fast, slow = tmp_path / "fast.py", tmp_path / "slow.py"
     fast.write_text("pass\n")
     slow.write_text("import time; time.sleep(60)\n")
-    port = free_port("127.0.0.1")
+    port = quiet_port("127.0.0.1")
     agents = {}
     for name, script in (("a", fast), ("b", slow)):
         agents[name] = subprocess.Popen(

@@ -15,7 +15,7 @@ from typing import Callable
 import pytest
 
 from elastictk.agent.preempt import PREEMPTED_EXIT, newest_complete_step
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 from tests.test_slurm_defaults import _free_job_id, slurm_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def _env(job: str, bin_dir: Path | None = None) -> dict[str, str]:
     path = os.environ["PATH"] if bin_dir is None else f"{bin_dir}:{os.environ['PATH']}"
     return slurm_env(SLURM_JOB_ID=job, SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
                      SLURMD_NODENAME="localhost", SLURM_PROCID="0", PATH=path,
-                     PET_RDZV_ENDPOINT=f"localhost:{free_port()}")
+                     PET_RDZV_ENDPOINT=f"localhost:{quiet_port()}")
 
 
 def _wait_for(path: Path, ok: Callable[[str], bool], proc: subprocess.Popen[str], timeout: float = 90) -> None:

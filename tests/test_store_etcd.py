@@ -28,7 +28,7 @@ from elastictk.store import (
     StoreError,
     StoreTimeout,
     StoreUnreachable,
-    free_port,
+    quiet_port,
 )
 from elastictk.store.base import _BACKOFF_CAP, _BACKOFF_FIRST, Backoff
 from elastictk.store.etcd import LeaseExpired, parse_endpoints, range_end
@@ -312,7 +312,7 @@ def test_leased_key_dies_with_its_owner(store: EtcdStore, etcd_server: EtcdServe
 
 # -- reaching (or not) an endpoint -----------------------------------------------------------
 def test_refused_endpoint_fails_fast_with_one_line() -> None:
-    port = free_port()
+    port = quiet_port()
     start = time.monotonic()
     with pytest.raises(StoreUnreachable) as e:
         EtcdStore(f"127.0.0.1:{port}", timeout=2)
@@ -342,7 +342,7 @@ def test_something_that_is_not_etcd_is_named(etcd_server: EtcdServer) -> None:
 
 
 def test_fails_over_to_a_live_endpoint(etcd_server: EtcdServer) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{quiet_port()}"
     with EtcdStore([dead, etcd_server.endpoint], prefix=uuid.uuid4().hex, timeout=5) as s:
         s.set("k", b"v")
         assert s.try_get("k") == b"v"

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import torch.distributed as dist
 
-from elastictk.store import StoreUnreachable, TCPStore, free_port
+from elastictk.store import StoreUnreachable, TCPStore, quiet_port
 from tests.helpers.store_contract import StoreContract
 
 
@@ -37,7 +37,7 @@ def test_port_zero_reports_the_chosen_port(server: TCPStore) -> None:
 
 
 def test_unreachable_endpoint_fails_fast_with_one_line() -> None:
-    port = free_port()
+    port = quiet_port()
     start = time.monotonic()
     with pytest.raises(StoreUnreachable) as e:
         TCPStore.connect(f"127.0.0.1:{port}", timeout=2)

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastictk.store import Endpoint, free_port
+from elastictk.store import Endpoint, quiet_port
 from elastictk.store.tcp import TCPStore
 from elastictk.store.wait import wait_for_store
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_store_whose_host_starts_late_is_waited_for_and_said_once() -> None:
-    port = free_port()
+    port = quiet_port()
     lines: list[str] = []
     server: list[TCPStore] = []
     late = threading.Timer(1.0, lambda: server.append(TCPStore.serve("127.0.0.1", port)))
@@ -37,7 +37,7 @@ def test_a_store_whose_host_starts_late_is_waited_for_and_said_once() -> None:
 
 
 def test_nothing_listening_is_waited_for_until_the_timeout_then_named() -> None:
-    port = free_port()
+    port = quiet_port()
     start = time.monotonic()
     reason = wait_for_store(Endpoint("127.0.0.1", port), 1.0, lambda _: None)
     assert reason is not None and "refused" in reason
@@ -62,7 +62,7 @@ def test_a_node_started_before_the_stores_host_waits_and_the_job_runs(tmp_path: 
                       "dist.init_process_group('gloo'); dist.barrier()\n"
                       "open(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').close()\n"
                       "dist.destroy_process_group()\n")
-    port = free_port()
+    port = quiet_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTICTK_"))}
     env["OUT"] = str(tmp_path)
 

@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from elastictk.store import free_port
+from elastictk.store import quiet_port
 from elastictk.supervisor.env import Assignment
 from elastictk.supervisor.group import WorkerGroup
 from elastictk.supervisor.spec import Std, WorkerSpec, python_script_argv
@@ -59,7 +59,7 @@ def test_a_frozen_peer_gets_the_ranks_stuck_in_collectives_dumped_killed_and_res
     group = WorkerGroup(spec, tmp_path / "logs")
     try:
         assignment = Assignment.homogeneous(0, 1, 3, master_addr="127.0.0.1",
-                                            master_port=free_port(), run_id="hang")
+                                            master_port=quiet_port(), run_id="hang")
         group.start(0, assignment)
         server.watch(group.pids(), ranks={lr: assignment.global_rank(lr) for lr in range(3)},
                      report_dir=group.attempt_dir)
@@ -86,7 +86,7 @@ def test_a_frozen_peer_gets_the_ranks_stuck_in_collectives_dumped_killed_and_res
         group.stop(grace=1.0)  # SIGKILLs the frozen rank, which had no timer running
         assert server.stats["killed"] == 2
         server.unwatch()
-        again = Assignment.homogeneous(0, 1, 3, master_addr="127.0.0.1", master_port=free_port(),
+        again = Assignment.homogeneous(0, 1, 3, master_addr="127.0.0.1", master_port=quiet_port(),
                                        run_id="hang", restart_count=1)
         group.start(1, again)
         server.watch(group.pids(), report_dir=group.attempt_dir)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastictk.store import Endpoint, free_port
+from elastictk.store import Endpoint, quiet_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = {"torchrun": "torch.distributed.run", "elastictk-run": "elastictk.run"}
@@ -60,7 +60,7 @@ def test_workers_environment_equals_torchruns(tmp_path: Path) -> None:
     """Static backend with --master-addr/--master-port, --signals-to-handle, --virtual-local-rank."""
     seen: dict[str, dict[str, dict[str, str | None]]] = {}
     for name, module in LAUNCHERS.items():
-        port = free_port()
+        port = quiet_port()
         argv = ["--nnodes", "1", "--master-addr", "localhost", "--master-port", str(port),
                 "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1",
                 "--virtual-local-rank", "--tee", "1", "--no-python", "/usr/bin/env"]
@@ -103,7 +103,7 @@ def test_a_script_opening_tcp_localhost_master_port_runs_and_restarts(tmp_path: 
     and after a restart the new group must not read the old group's keys."""
     (tmp_path / "pg.py").write_text(PG_SCRIPT)
     (tmp_path / "sums").mkdir()
-    port = free_port()
+    port = quiet_port()
     proc = _run("elastictk.run", ["--nnodes", "1", "--master-addr", "localhost", "--master-port",
                                   str(port), "--nproc-per-node", "2", "--max-restarts", "1",
                                   "pg.py", str(port), str(tmp_path / "sums")], tmp_path)
@@ -235,7 +235,7 @@ def test_ping_store_tells_a_tcpstore_from_a_silent_listener(silent_listener: int
     reason = ping_store(Endpoint("127.0.0.1", silent_listener), 1.0)
     assert reason is not None and "no TCPStore answer within 1s" in reason, reason
     assert time.monotonic() - start < 60  # a hang guard only: the line above says the deadline ended it
-    closed = free_port()
+    closed = quiet_port()
     assert "refused" in (ping_store(Endpoint("127.0.0.1", closed), 1.0) or "")
 
 

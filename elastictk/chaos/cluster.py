@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..metrics.events import read_events
-from ..store import free_port
+from ..store import quiet_port
 from ..lifetime.reaper import dies_with_caller
 
 BACKENDS = ("c10d", "etcd")
@@ -90,12 +90,13 @@ class Cluster:
         """Start node 0 on a free port, where it hosts the store, and wait for its rendezvous.
 
         A free port is only free when it is picked: until node 0 binds it (its interpreter
-        starts first, seconds on a loaded host) another process may take it. Node 0 then
+        starts first, seconds on a loaded host) another process may take it (rarely below the
+        ephemeral range, where :func:`quiet_port` picks, but not never). Node 0 then
         finds no TCPStore there and exits (exit 2, naming the endpoint), and the next node,
         once the port was freed again, would host a smaller job in its place. So such a node 0
         is dropped, its lines kept in :attr:`retries`, and started again on another port."""
         for attempt in range(PORT_TRIES):
-            self.endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+            self.endpoint = f"127.0.0.1:{quiet_port('127.0.0.1')}"
             first = self.spawn(0)
             self._await_rendezvous(first, ready_timeout)
             if attempt + 1 == PORT_TRIES or not self._lost_its_port(first):

@@ -10,7 +10,7 @@ from .base import (
     StoreTimeout,
     StoreUnreachable,
 )
-from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_in_use
+from .endpoint import Endpoint, EndpointError, free_port, parse_endpoint, port_in_use, quiet_port
 from .etcd import EtcdStore
 from .file import FileStore
 from .prefix import PrefixStore
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIMEOUT", "Deadline", "Endpoint", "EndpointError", "EtcdStore",
     "FileStore", "PrefixStore", "Store", "StoreClosed", "StoreError", "StoreTimeout",
-    "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use", "wait_for_store",
+    "StoreUnreachable", "TCPStore", "free_port", "parse_endpoint", "port_in_use", "quiet_port",
+    "wait_for_store",
 ]
 
 

@@ -6,9 +6,11 @@ without brackets is accepted only when it cannot be confused with ``host:port``.
 from __future__ import annotations
 
 import ipaddress
+import random
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-_.]*[A-Za-z0-9])?$")
 
@@ -102,6 +104,47 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# etcd's client and peer ports and torch's c10d and MASTER_PORT defaults: a job may ask for them
+# by name, so a port picked for another is never one of them.
+_DEFAULT_PORTS = frozenset({2379, 2380, 29400, 29500})
+_QUIET_FLOOR = 20000
+_rng = random.SystemRandom()  # not the random module's state, which tests may seed
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range, for a server a child process binds later.
+
+    :func:`free_port`'s port comes from that range, where every ``bind(("", 0))`` and outgoing
+    ``connect`` of the machine draws its own: between the pick and the child's bind (an
+    interpreter start, seconds on a loaded host) another process can take it, and the child
+    finds a stranger there (a test suite's many servers did it). Below the range only another
+    explicit pick can, one chance in thousands. Falls back to :func:`free_port` where the range
+    cannot be read or leaves no room below it."""
+    low = _ephemeral_low()
+    if low is None or low - _QUIET_FLOOR < 1000:
+        return free_port(host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(64):
+        port = _rng.randrange(_QUIET_FLOOR, low)
+        if port in _DEFAULT_PORTS:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if 1024 < low <= 65535 else None
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -30,7 +30,7 @@ from typing import Sequence
 from ..lifetime.procfs import is_frozen
 from ..lifetime.reaper import dies_with_caller
 from ..store.base import Deadline
-from ..store.endpoint import Endpoint, free_port
+from ..store.endpoint import Endpoint, quiet_port
 from .binary import find_binary
 from .testcerts import TestCerts
 
@@ -107,8 +107,8 @@ class EtcdServer:
         self.tls = tls
         self.name, self.host = name, host
         self._auto_ports = not client_port and not peer_port
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self.client_port = client_port or quiet_port(host)
+        self.peer_port = peer_port or quiet_port(host)
         self.initial_cluster = initial_cluster
         self.cluster_state = cluster_state
         self.cluster_token = cluster_token or f"elastictk-{uuid.uuid4().hex[:12]}"
@@ -229,11 +229,11 @@ class EtcdServer:
                 self.wait_ready()
                 return self
             except EtcdStartError as e:
-                # Another process took an auto-picked port between free_port() and etcd's bind.
+                # Another process took an auto-picked port between quiet_port() and etcd's bind.
                 fresh = self._auto_ports and not self.data_dir.exists()
                 if attempt == 2 or not fresh or "address already in use" not in str(e):
                     raise
-                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                self.client_port, self.peer_port = quiet_port(self.host), quiet_port(self.host)
         return self
 
     def stop(self, grace: float | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from ..store.endpoint import Endpoint, free_port
+from ..store.endpoint import Endpoint, quiet_port
 from .etcd import EtcdServer
 from .testcerts import TestCerts
 
@@ -26,8 +26,8 @@ class EtcdCluster:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least 1 member, not {size}")
         ports: list[int] = []
-        while len(ports) < 2 * size:  # free_port may hand out the same port twice
-            p = free_port(host)
+        while len(ports) < 2 * size:  # quiet_port may hand out the same port twice
+            p = quiet_port(host)
             if p not in ports:
                 ports.append(p)
         names = [f"etcd{i}" for i in range(size)]

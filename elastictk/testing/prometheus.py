@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Callable, Sequence
 
 from ..lifetime.reaper import dies_with_caller
-from ..store.endpoint import free_port
+from ..store.endpoint import quiet_port
 from .binary import find_binary
 
 INSTALL_HINT = ("install it with `apt-get install prometheus` (2.x), or point ELASTICTK_PROMETHEUS "
@@ -61,7 +61,7 @@ class PrometheusServer:
         self.scrape_interval = scrape_interval
         self.rule_files = [str(Path(r).resolve()) for r in rule_files]
         self.host, self._auto_port = host, port == 0
-        self.port = port or free_port(host)
+        self.port = port or quiet_port(host)
         self.start_timeout = start_timeout
         self.root = Path(tempfile.mkdtemp(prefix="elastictk-prometheus-", dir=base_dir))
         self.config_path, self.log_path = self.root / "prometheus.yml", self.root / "prometheus.log"
@@ -106,7 +106,7 @@ class PrometheusServer:
             except PrometheusError as e:
                 if attempt == 2 or not self._auto_port or "address already in use" not in str(e):
                     raise
-                self.port = free_port(self.host)  # another process took the port we picked
+                self.port = quiet_port(self.host)  # another process took the port we picked
         return self
 
     def _launch(self) -> None:

@@ -17,6 +17,7 @@ from ..rendezvous.auth import Signer
 from ..rendezvous.sealed import derive_key
 from ..snapshot.settings import ENV_DIR, ENV_EVERY, ENV_KEY, ENV_OVERLAP, ENV_TIERS, default_memory
 from ..supervisor.forkserver import PreloadServer
+from ..supervisor.preloadpick import preload_for
 from ..supervisor.spec import WorkerSpec
 from ..metrics.kinds import Emit, EventKind
 from .master import WorkersStore
@@ -186,9 +187,9 @@ def start_preload(config: LaunchConfig) -> PreloadServer | None:
 
     import_torch_quietly()  # what the agent imports next anyway, before the fork; its C++ log quiet
 
-    server = PreloadServer(job=config.run_id)
+    server = PreloadServer(preload_for(config.entrypoint), job=config.run_id)
     server.start(fork=True)
-    log.debug("preload server %s: %s", server.pid, server.how)
+    log.debug("preload server %s: %s; preloads %s", server.pid, server.how, ", ".join(server.preload))
     return server
 
 

@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .forkserver import DEFAULT_PRELOAD, ForkServerError, PreloadServer
+from .preloadpick import preload_for
 from .logs import RankLogs
 from .process import (
     WorkerProcess, acquire_mp_forkserver, release_mp_forkserver, start_multiprocessing,
@@ -42,7 +43,9 @@ class WorkerStarter:
 
     def preload_server(self) -> PreloadServer:
         if self.server is None:
-            modules = DEFAULT_PRELOAD if self._preload_modules is None else self._preload_modules
+            modules = self._preload_modules
+            if modules is None:
+                modules = DEFAULT_PRELOAD if self.spec.is_function else preload_for(self.spec.argv(0))
             self.server = PreloadServer(preload=modules)
         return self.server
 

@@ -133,6 +133,13 @@ def test_a_replacement_waits_for_the_generation_about_to_be_published(tmp_path: 
         group.signal_one(1, signal.SIGKILL)
         assert rnd.on_failures(group.wait_any(timeout=30)) and rnd.pending == 1
         pid = group.pids()[1]
+        # Read once the replacement is the final program: between fork and the shell's `exec
+        # sleep` its environment reads as the parent's, and during an exec as empty (a CI run
+        # read {} there).
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+            assert time.monotonic() < deadline, "the replacement never became `sleep`"
+            time.sleep(0.01)
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         assert env.get(ENV_FIRST_GEN.encode()) == b"1", env.get(ENV_FIRST_GEN.encode())

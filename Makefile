@@ -53,8 +53,9 @@ docs: install
 # A private base temp dir: pytest runs that share /tmp/pytest-of-<user> delete each other's dirs.
 # Four test processes (pytest-xdist) on two cores, each taking whole files: most tests wait on
 # heartbeats, timeouts and real daemons, so with three the suite used about 1.5 of the 2 cores
-# (1,300-1,400 s of CPU; pytest 772 s and 911 s in two idle runs, at the 15-minute edge); with
-# four, 712 to 1,014 s idle (1,278 s of CPU in the first), and the loaded run stays green (README).
+# (1,300-1,400 s of CPU; pytest 772 s and 911 s in two idle runs); with four, 616 and 618 s of
+# pytest idle (1,052 s of CPU) since workers' preload servers skip torch._dynamo where unused and
+# the suite loads bytecode, and the loaded run stays green (README).
 TEST_WORKERS ?= 4
 # Bytecode for every module, written before the suite: with PYTHONDONTWRITEBYTECODE set (CI
 # hosts set it) each of the suite's ~1,000 Python processes compiled elastictk from source again

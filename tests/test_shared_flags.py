@@ -45,13 +45,42 @@ def test_any_record_from_the_store_is_compared_without_raising_and_shown_bounded
     assert leader.get(key) != mine[key] and type(leader[key]) is (str if key == "nnodes" else int)
 
 
-def _node(tmp: Path, port: int, restarts: int, host: bool, script: Path) -> subprocess.Popen[str]:
+def _node(tmp: Path, port: int, restarts: int, host: bool, script: Path,
+          *flags: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "ELASTICTK_"))}
     return subprocess.Popen(
         [sys.executable, "-m", "elastictk.run", "--nnodes", "2", "--max-restarts", str(restarts),
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shared",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shared", *flags,
          "--rdzv-conf", f"is_host={int(host)},join_timeout=120", str(script)],
         cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_the_store_host_that_finds_the_difference_leaves_its_peer_the_line(tmp_path: Path) -> None:
+    """The node hosting the c10d store is not rank 0 and finds the difference: its store goes
+    when it exits, so it leaves first and waits for rank 0 to read why. A loaded make test
+    failed here: rank 0 ended with "store lost" (the host's wait never ran: it read the round
+    before its loop had joined one; and once it did, rank 0, whose workers ran, waited for a
+    membership change that the still-beating host never made). The host joins after the
+    other node started its rendezvous (a health check that waits for that event), so it is
+    the one that finds the difference."""
+    script = tmp_path / "w.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    port, events = quiet_port(), tmp_path / "other.jsonl"
+    wait = f"until grep -q rendezvous_started {events}; do sleep 0.05; done; sleep 1"
+    nodes = [_node(tmp_path, port, 3, True, script, "--health-check", f"sh -c '{wait}'"),
+             _node(tmp_path, port, 1, False, script, "--event-log", str(events))]
+    try:
+        done = [n.communicate(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    both = "\n".join(f"--- node {i} (exit {n.returncode}):\n{e[-3000:]}" for i, (n, (_, e)) in enumerate(zip(nodes, done)))
+    assert [n.returncode for n in nodes] == [2, 1], f"the host did not find the difference (premise)\n{both}"
+    for _, err in done:
+        assert "--max-restarts differs between this job's nodes" in err, both
+        assert "Traceback" not in err, both
 
 
 def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path) -> None:
@@ -71,6 +100,7 @@ def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path)
     says = "--max-restarts differs between this job's nodes"
     codes = sorted(n.returncode for n in nodes)
     assert codes == [1, 2], (codes, [e[-2000:] for _, e in done])
+    both = "\n".join(f"--- node {i} (exit {n.returncode}):\n{e[-3000:]}" for i, (n, (_, e)) in enumerate(zip(nodes, done)))
     for _, err in done:  # the node that found it exits 2 with the line; rank 0 ends with it
-        assert says in err and "give every node the same --max-restarts" in err, err[-2000:]
+        assert says in err and "give every node the same --max-restarts" in err, both
         assert "Traceback" not in err, err[-3000:]

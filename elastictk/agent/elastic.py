@@ -131,7 +131,10 @@ class ElasticAgent:
         self._signals.install()
         try:
             self.group.prepare()  # e.g. the preload server imports torch while we rendezvous
-            return self._summarized(host_leaves_last(self.handler, cfg, self._joined, self._loop(addr)))
+            # The loop first: host_leaves_last needs the round it joined, which the loop sets
+            # (passed as one call's arguments, the round was read before the loop ran: None).
+            result = self._loop(addr)
+            return self._summarized(host_leaves_last(self.handler, cfg, self._joined, result))
         except StoreError as e:
             # The store is gone (e.g. the host of a c10d store died): fail fast, never hang.
             self.group.stop()

@@ -112,6 +112,14 @@ def host_leaves_last(handler: RendezvousHandler | None, cfg: AgentConfig, info: 
     except (StoreError, RendezvousError):
         return result
     if others:
+        # Leave first (the heartbeat says so): a peer still running its workers learns of the
+        # closed job from a membership change, and this node's departure is the change. Still
+        # beating, it waited for them while they waited for it, until its bound ran out and its
+        # store went with it ("store lost" there instead of the job's line).
+        try:
+            handler.close(leaving=True)
+        except StoreError:
+            return result
         still = handler.await_departures(others, cfg.rdzv.heartbeat_timeout + 5)
         if still:
             log.info("leaving the store with %d node(s) still beating: %s", len(still), ", ".join(still[:8]))

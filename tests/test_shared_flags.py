@@ -55,6 +55,20 @@ def _node(tmp: Path, port: int, restarts: int, host: bool, script: Path,
         cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _finish(nodes: list[subprocess.Popen[str]]) -> tuple[list[tuple[str, str]], str]:
+    """Each node's (stdout, stderr) once all have exited (killed past 240 s), and both nodes'
+    stderr tails with their exit codes, for a failing assertion's message."""
+    try:
+        done = [n.communicate(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    both = "\n".join(f"--- node {i} (exit {n.returncode}):\n{e[-3000:]}" for i, (n, (_, e)) in enumerate(zip(nodes, done)))
+    return done, both
+
+
 def test_the_store_host_that_finds_the_difference_leaves_its_peer_the_line(tmp_path: Path) -> None:
     """The node hosting the c10d store is not rank 0 and finds the difference: its store goes
     when it exits, so it leaves first and waits for rank 0 to read why. A loaded make test
@@ -69,14 +83,7 @@ def test_the_store_host_that_finds_the_difference_leaves_its_peer_the_line(tmp_p
     wait = f"until grep -q rendezvous_started {events}; do sleep 0.05; done; sleep 1"
     nodes = [_node(tmp_path, port, 3, True, script, "--health-check", f"sh -c '{wait}'"),
              _node(tmp_path, port, 1, False, script, "--event-log", str(events))]
-    try:
-        done = [n.communicate(timeout=240) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
-    both = "\n".join(f"--- node {i} (exit {n.returncode}):\n{e[-3000:]}" for i, (n, (_, e)) in enumerate(zip(nodes, done)))
+    done, both = _finish(nodes)
     assert [n.returncode for n in nodes] == [2, 1], f"the host did not find the difference (premise)\n{both}"
     for _, err in done:
         assert "--max-restarts differs between this job's nodes" in err, both
@@ -90,17 +97,10 @@ def test_two_nodes_with_different_max_restarts_end_with_the_line(tmp_path: Path)
     script.write_text("import time\ntime.sleep(120)\nprint('trained')\n")
     port = quiet_port()
     nodes = [_node(tmp_path, port, 3, True, script), _node(tmp_path, port, 1, False, script)]
-    try:
-        done = [n.communicate(timeout=240) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
+    done, both = _finish(nodes)
     says = "--max-restarts differs between this job's nodes"
     codes = sorted(n.returncode for n in nodes)
     assert codes == [1, 2], (codes, [e[-2000:] for _, e in done])
-    both = "\n".join(f"--- node {i} (exit {n.returncode}):\n{e[-3000:]}" for i, (n, (_, e)) in enumerate(zip(nodes, done)))
     for _, err in done:  # the node that found it exits 2 with the line; rank 0 ends with it
         assert says in err and "give every node the same --max-restarts" in err, both
         assert "Traceback" not in err, err[-3000:]

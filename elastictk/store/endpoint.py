@@ -125,17 +125,10 @@ def quiet_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     if low is None or low - _QUIET_FLOOR < 1000:
         return free_port(host)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(64):
         port = _rng.randrange(_QUIET_FLOOR, low)
-        if port in _DEFAULT_PORTS:
-            continue
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
+        if port not in _DEFAULT_PORTS and not port_in_use(host, port):
+            return port
     return free_port(host)
 
 

@@ -8,9 +8,10 @@ forward and backward, ``torch.save``/``load`` and ``DataLoader`` do not. A node 
 imports it for a probe, a smoke test or a collective-only job spends that CPU for nothing, on
 every node of every start: a host running many small jobs (or a test suite) pays it hundreds
 of times. So the script is read (never run): it keeps the full list unless it is a readable
-Python file whose text names none of those APIs and whose imports are all the standard
-library, torch or elastictk. Any doubt keeps the full list. A wrong guess only costs time: a
-worker that does import ``torch._dynamo`` after all pays it itself, once per worker start.
+Python file whose code (not its comments or strings) names none of those APIs and whose
+imports are all the standard library, torch or elastictk. Any doubt keeps the full list. A
+wrong guess only costs time: a worker that does import ``torch._dynamo`` after all pays it
+itself, once per worker start.
 """
 from __future__ import annotations
 
@@ -77,6 +78,4 @@ def uses_dynamo(argv: Sequence[str], cwd: Optional[str] = None) -> Optional[bool
             continue
         if any(t not in _PLAIN_TOPS for t in tops):
             return None  # another package, or the user's own module, may build an optimizer
-    if any(n.lower() in _USES_DYNAMO for n in names):
-        return True
-    return False
+    return any(n.lower() in _USES_DYNAMO for n in names)
